@@ -1,0 +1,79 @@
+"""cffi builder (API mode, out of line) for colibri's C core.
+
+The cdef is read from the public headers themselves: '#' lines are dropped and
+the bodies of static inline functions are cut down to declarations, so the
+headers stay the single source of truth.
+
+Environment:
+  COLIBRI_SANITIZE  "address,undefined" or "thread": a sanitizer build (assertions on)
+  COLIBRI_DEBUG     "1": -O0 -g with assertions on
+  COLIBRI_WERROR    "1": warnings are errors (CI)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "csrc")
+PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "lru_store.h")
+SOURCES = ("lru_store.c", "expert_reader.c", "io_pool.c")
+
+
+def _declarations(header_text: str) -> str:
+    """Header text as cdef can read it."""
+    lines = [ln for ln in header_text.splitlines() if not ln.lstrip().startswith("#")]
+    text = "\n".join(lines)
+    out, pos = [], 0
+    for match in re.finditer(r"static\s+inline\s+([^;{]*?\))\s*\{", text):
+        out.append(text[pos : match.start()])
+        out.append(match.group(1) + ";")
+        depth, i = 1, match.end()
+        while depth:  # skip the body, braces balanced
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        pos = i
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _compile_args() -> tuple[list[str], list[str]]:
+    compile_args = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"]
+    link_args: list[str] = []
+    sanitize = os.environ.get("COLIBRI_SANITIZE", "").strip()
+    if sanitize:
+        flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g", "-O1", "-UNDEBUG"]
+        if "undefined" in sanitize:
+            flags.append("-fno-sanitize-recover=undefined")
+        compile_args += flags
+        link_args += [f"-fsanitize={sanitize}"]
+    elif os.environ.get("COLIBRI_DEBUG") == "1":
+        compile_args += ["-O0", "-g", "-UNDEBUG"]
+    else:
+        compile_args += ["-O2"]
+    if os.environ.get("COLIBRI_WERROR") == "1":
+        compile_args.append("-Werror")
+    return compile_args, link_args
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(
+    "\n".join(_declarations(open(os.path.join(CSRC, h), encoding="utf-8").read()) for h in PUBLIC_HEADERS)
+)
+_compile, _link = _compile_args()
+ffibuilder.set_source(
+    "colibri._colibri_cffi",
+    '#include "lru_store.h"',
+    sources=[os.path.join(CSRC, s) for s in SOURCES],
+    include_dirs=[CSRC],
+    depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")],
+    extra_compile_args=_compile,
+    extra_link_args=_link,
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

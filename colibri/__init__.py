@@ -1,0 +1,41 @@
+"""colibri: stream the routed experts of huge MoE models from disk into a
+bounded, leased RAM cache.
+
+    import colibri
+    with colibri.open_store("path/to/model", slots_per_layer=8) as store:
+        with store.lease(layer, expert) as ex:
+            y = ex.down @ (silu(ex.gate @ x) * (ex.up @ x))
+"""
+
+from colibri.errors import (
+    CacheFullError,
+    ColibriError,
+    ExpertLoadError,
+    FormatError,
+    LeaseError,
+    StoreClosedError,
+    UnknownExpertError,
+    WaitTimeoutError,
+)
+from colibri.layouts import Layout
+from colibri.stats import StoreStats
+from colibri.store import ExpertLease, LeaseGroup, Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open_store",
+    "Store",
+    "ExpertLease",
+    "LeaseGroup",
+    "StoreStats",
+    "Layout",
+    "ColibriError",
+    "UnknownExpertError",
+    "ExpertLoadError",
+    "CacheFullError",
+    "LeaseError",
+    "StoreClosedError",
+    "FormatError",
+    "WaitTimeoutError",
+]

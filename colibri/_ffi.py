@@ -1,0 +1,13 @@
+"""The one door to the compiled core: everything else imports ffi and lib from here."""
+
+from __future__ import annotations
+
+try:
+    from colibri._colibri_cffi import ffi, lib
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "colibri's C core is not built; install the package with `pip install .` "
+        "(it compiles csrc/ through cffi)"
+    ) from exc
+
+__all__ = ["ffi", "lib"]

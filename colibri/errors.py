@@ -1,0 +1,72 @@
+"""The colibri exception family.
+
+Every error the package raises is a :class:`ColibriError`. Where a builtin
+exception says the same thing, the error inherits from it too, so callers can
+catch either: an unknown expert is also a ``KeyError``, a failed read also an
+``OSError``, a malformed file or layout also a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ColibriError",
+    "UnknownExpertError",
+    "ExpertLoadError",
+    "CacheFullError",
+    "LeaseError",
+    "StoreClosedError",
+    "FormatError",
+    "WaitTimeoutError",
+]
+
+
+class ColibriError(Exception):
+    """Base class of every error raised by colibri."""
+
+
+class UnknownExpertError(ColibriError, KeyError):
+    """A (layer, expert) key that the model does not have."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ExpertLoadError(ColibriError, OSError):
+    """Reading an expert from disk failed; the message names file and offset."""
+
+
+class CacheFullError(ColibriError):
+    """Every slot of a layer stayed leased until the slot wait timeout."""
+
+
+class LeaseError(ColibriError):
+    """A lease was used against the contract (after release, released twice...)."""
+
+
+class StoreClosedError(ColibriError):
+    """A call on a store that has been closed."""
+
+
+class FormatError(ColibriError, ValueError):
+    """A malformed safetensors file, an unusable layout or a bad configuration."""
+
+
+class WaitTimeoutError(ColibriError, TimeoutError):
+    """A wait for outstanding loads ended at its timeout."""
+
+
+# C error codes of csrc/lru_store.h mapped to the classes above.
+_BY_CODE: dict[int, type[ColibriError]] = {
+    -2: UnknownExpertError,
+    -3: CacheFullError,
+    -4: ExpertLoadError,
+    -6: FormatError,
+    -7: LeaseError,
+    -9: WaitTimeoutError,
+}
+
+
+def error_for(code: int, message: str) -> ColibriError:
+    """The exception for a negative C return code, carrying C's message."""
+    cls = _BY_CODE.get(code, ColibriError)
+    return cls(message or f"colibri C core failed with code {code}")

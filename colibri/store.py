@@ -1,0 +1,564 @@
+"""The Python face of the C expert store: open_store, leases, stats.
+
+The layer is thin on purpose: every lookup, release and prefetch is one call
+into C (which releases the GIL while it may block). What Python adds is
+lifetime safety. A lease's arrays are numpy views over the slot's memory, and
+the C lease is tied to the life of those views: it is released when the
+lease has ended *and* no array built from it is alive any more. So an array
+kept past its ``with`` block stays valid (and a ``ResourceWarning`` says so)
+instead of silently reading another expert's bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence, Union
+
+import numpy as np
+
+from colibri import _dtypes
+from colibri._ffi import ffi, lib
+from colibri.errors import (
+    FormatError,
+    LeaseError,
+    StoreClosedError,
+    UnknownExpertError,
+    error_for,
+)
+from colibri.layouts import Layout, ModelExperts, scan_model
+from colibri.safetensors_reader import ModelSource
+from colibri.stats import StoreStats
+
+__all__ = ["open_store", "Store", "ExpertLease", "LeaseGroup", "DEFAULT_SLOTS_PER_LAYER"]
+
+log = logging.getLogger("colibri")
+
+DEFAULT_SLOTS_PER_LAYER = 8
+_ERR_LEN = 512
+_INT_MAX = 2**31 - 1
+_ROLES = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class _LayerArrays:
+    """How to view one layer's slot bytes: (dtype, shape) of each weight and
+    scale, indexed like coli_view_layout's offsets (gate, up, down, then their
+    scales; None where a role is unscaled). All experts of a layer agree."""
+
+    parts: tuple[tuple[np.dtype, tuple[int, int]] | None, ...]
+
+
+_PART_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
+
+
+def _check(rc: int, err: Any) -> None:
+    if rc != 0:
+        raise error_for(rc, ffi.string(err).decode("utf-8", "replace"))
+
+
+class _ThreadBuffers(threading.local):
+    """Per-thread C buffers, so the hit path allocates none of them."""
+
+    def __init__(self) -> None:
+        self.err = ffi.new("char[]", _ERR_LEN)
+        self.layout = ffi.new("uint64_t[8]")
+
+
+class ExpertLease:
+    """One leased expert: ``gate``, ``up``, ``down`` are read-only numpy arrays
+    over the cache slot, valid while the lease (or any array from it) lives.
+
+    Use it as a context manager; leaving the block releases it. ``release()``
+    does the same explicitly; releasing twice is a :class:`LeaseError`.
+    """
+
+    __slots__ = ("_store", "layer", "expert", "_memory", "_offsets", "_arrays", "_released", "_ended")
+
+    def __init__(self, store: "Store", layer: int, expert: int, view: Any, keepalive: Any) -> None:
+        self._store = store
+        self.layer = layer
+        self.expert = expert
+        self._released = False
+        self._arrays: dict[str, np.ndarray | None] = {}
+        layout = store._buffers.layout
+        lib.coli_view_layout(view, layout)
+        base, span, *self._offsets = ffi.unpack(layout, 8)
+        ended = self._ended = [False]   # set once the C lease is really gone
+
+        def end_lease(_ptr: Any) -> None:
+            store._release_view(view, keepalive)
+            ended[0] = True
+
+        # The C lease ends when this anchor dies: after release() drops our
+        # reference and the last array built over `_memory` is gone.
+        anchor = ffi.gc(ffi.cast("char *", base), end_lease)
+        self._memory = memoryview(ffi.buffer(anchor, span)).toreadonly()
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.layer, self.expert)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _array(self, name: str) -> np.ndarray | None:
+        arrays = self._arrays
+        if name in arrays:
+            return arrays[name]
+        if self._released:
+            raise LeaseError(f"layer {self.layer} expert {self.expert}: .{name} used after its lease was released")
+        i = _PART_NAMES.index(name)
+        part = self._store._arrays[self.layer].parts[i]
+        arr = None
+        if part is not None:
+            # frombuffer keeps the read-only memoryview as base, so the flag
+            # cannot be flipped back to writeable (np.ndarray(buffer=) would
+            # expose the writable cffi buffer underneath).
+            dtype, shape = part
+            arr = np.frombuffer(self._memory, dtype=dtype, count=shape[0] * shape[1], offset=self._offsets[i])
+            arr.shape = shape
+        arrays[name] = arr
+        return arr
+
+    @property
+    def gate(self) -> np.ndarray:
+        """The gate projection, shape (intermediate, hidden) as stored."""
+        return self._array("gate")  # type: ignore[return-value]
+
+    @property
+    def up(self) -> np.ndarray:
+        """The up projection, shape (intermediate, hidden) as stored."""
+        return self._array("up")  # type: ignore[return-value]
+
+    @property
+    def down(self) -> np.ndarray:
+        """The down projection, shape (hidden, intermediate) as stored."""
+        return self._array("down")  # type: ignore[return-value]
+
+    @property
+    def gate_scale(self) -> np.ndarray | None:
+        """Block scales of ``gate`` (fp8 block-scaled checkpoints), else None."""
+        return self._array("gate_scale")
+
+    @property
+    def up_scale(self) -> np.ndarray | None:
+        return self._array("up_scale")
+
+    @property
+    def down_scale(self) -> np.ndarray | None:
+        return self._array("down_scale")
+
+    def release(self) -> None:
+        """End the lease. Arrays still referenced elsewhere keep it alive until
+        they are gone (with a ResourceWarning)."""
+        if self._released:
+            raise LeaseError(f"lease of layer {self.layer} expert {self.expert} was already released")
+        self._released = True
+        self._arrays.clear()
+        del self._memory
+        # With our references gone, refcounting ends the C lease right here
+        # unless an array (or a view of one) outlives the lease.
+        if not self._ended[0]:
+            warnings.warn(
+                f"arrays of expert {self.expert} of layer {self.layer} outlive their lease; "
+                "the cache slot stays leased until they are deleted",
+                ResourceWarning,
+                stacklevel=3,
+            )
+
+    def __enter__(self) -> "ExpertLease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"store.lease({self.layer}, {self.expert})"
+
+
+class LeaseGroup(tuple):  # type: ignore[type-arg]
+    """The leases of one ``lease_many`` call, in the order asked; a context
+    manager that releases every lease still held on exit."""
+
+    def __enter__(self) -> "LeaseGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for lease in self:
+            if not lease.released:
+                lease.release()
+
+    def release(self) -> None:
+        self.__exit__()
+
+
+class Store:
+    """A bounded, per-layer LRU cache of a model's routed experts.
+
+    Thread-safe: many threads may lease, release, prefetch and read stats at
+    once. Build it with :func:`open_store`.
+    """
+
+    def __init__(
+        self,
+        model: ModelExperts,
+        *,
+        slots_per_layer: int | None,
+        capacity_bytes: int | None,
+        prefetch_workers: int,
+        direct_io: bool,
+        slot_wait_timeout: float | None,
+        prefetch_queue_depth: int = 0,
+    ) -> None:
+        self.model = model
+        self._mutex = threading.Lock()   # guards _closed and _calls
+        self._closed = False
+        self._calls = 0                  # C calls in progress; close waits for none
+        self._buffers = _ThreadBuffers()
+        self._arrays = {layer: _layer_arrays(model, layer) for layer in model.layers}
+        self._handle = _create_handle(
+            model,
+            slots_per_layer=slots_per_layer,
+            capacity_bytes=capacity_bytes,
+            prefetch_workers=prefetch_workers,
+            direct_io=direct_io,
+            slot_wait_timeout=slot_wait_timeout,
+            prefetch_queue_depth=prefetch_queue_depth,
+        )
+        self._ops = self._handle.ops
+        self.prefetch_workers = prefetch_workers
+        if direct_io and lib.coli_lru_direct_io_fallback(self._handle):
+            log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
+
+    # -- call bracketing: close() must never free the C store under a call --
+
+    def _enter(self) -> None:
+        with self._mutex:
+            if self._closed:
+                raise StoreClosedError("the store is closed")
+            self._calls += 1
+
+    def _leave(self) -> None:
+        with self._mutex:
+            self._calls -= 1
+
+    # -- model facts --
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Model layer indices that have routed experts, ascending."""
+        self._check_open()
+        return self.model.layers
+
+    def num_experts(self, layer: int) -> int:
+        """Routed experts of ``layer`` (UnknownExpertError if it has none)."""
+        self._check_open()
+        return self.model.num_experts(layer)
+
+    def slots(self, layer: int) -> int:
+        """Slots in ``layer``'s LRU."""
+        self.model.num_experts(layer)
+        self._enter()
+        try:
+            return int(lib.coli_lru_layer_slots(self._handle, layer))
+        finally:
+            self._leave()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def active_leases(self) -> int:
+        """C leases held now, including those kept alive by surviving arrays."""
+        self._enter()
+        try:
+            return int(lib.coli_lru_active_leases(self._handle))
+        finally:
+            self._leave()
+
+    # -- leases --
+
+    def lease(self, layer: int, expert: int) -> ExpertLease:
+        """Lease one expert (blocking on a miss). Use as a context manager."""
+        layer, expert = operator.index(layer), operator.index(expert)
+        view = ffi.new("ColiExpertView *")
+        err = self._buffers.err
+        self._enter()
+        try:
+            if not (-_INT_MAX <= layer <= _INT_MAX and -_INT_MAX <= expert <= _INT_MAX):
+                raise UnknownExpertError(f"layer {layer} has no expert {expert}")
+            rc = lib.coli_lru_lookup(self._handle, layer, expert, view, err, _ERR_LEN)
+            _check(rc, err)
+            # From here the C lease is ours; ExpertLease ties its end to the arrays.
+            return ExpertLease(self, layer, expert, view, None)
+        finally:
+            self._leave()
+
+    def lease_many(self, layer: int, experts: Iterable[int]) -> LeaseGroup:
+        """Lease several experts of one layer, all or nothing, in the given
+        order (duplicates allowed). Use as a context manager."""
+        layer = operator.index(layer)
+        wanted = [operator.index(e) for e in experts]
+        if not wanted:
+            return LeaseGroup(())
+        for e in (layer, *wanted):
+            if not -_INT_MAX <= e <= _INT_MAX:
+                raise UnknownExpertError(f"layer {layer} has no expert {e}")
+        views = ffi.new("ColiExpertView[]", len(wanted))
+        ids = ffi.new("int[]", wanted)
+        err = self._buffers.err
+        self._enter()
+        try:
+            rc = lib.coli_lru_lookup_many(self._handle, layer, ids, len(wanted), views, err, _ERR_LEN)
+            _check(rc, err)
+            return LeaseGroup(
+                ExpertLease(self, layer, e, views + i, views) for i, e in enumerate(wanted)
+            )
+        finally:
+            self._leave()
+
+    def _release_view(self, view: Any, keepalive: Any) -> None:
+        """Ends the C lease of view; runs when a lease's anchor dies."""
+        del keepalive  # held only so a lease_many view array outlives its leases
+        with self._mutex:
+            self._calls += 1
+        try:
+            lib.coli_expert_release(self._handle, view)
+        finally:
+            self._leave()
+
+    # -- prefetch --
+
+    def prefetch(self, keys: Iterable[tuple[int, int]]) -> int:
+        """Ask the I/O workers to load these experts in the background.
+
+        Advisory: returns how many were accepted (0 with no workers, for keys
+        already resident or loading, unknown keys, or no free slot or queue
+        room). It holds no lease and never evicts a leased or loading slot.
+        """
+        clean: list[tuple[int, int]] = []
+        for key in keys:
+            try:
+                layer, expert = operator.index(key[0]), operator.index(key[1])
+            except (TypeError, IndexError):
+                continue
+            if 0 <= layer <= _INT_MAX and 0 <= expert <= _INT_MAX:
+                clean.append((layer, expert))
+        if not clean:
+            self._enter()
+            self._leave()
+            return 0
+        arr = ffi.new("ColiExpertKey[]", clean)
+        self._enter()
+        try:
+            return int(self._ops.prefetch(self._handle, arr, len(clean)))
+        finally:
+            self._leave()
+
+    def wait_idle(self, layer: int | None = None, timeout: float | None = None) -> None:
+        """Wait until no load is queued or in flight (in ``layer``, or anywhere).
+
+        Raises WaitTimeoutError if that takes longer than ``timeout`` seconds.
+        """
+        if layer is not None:
+            self.model.num_experts(layer)
+        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        self._enter()
+        try:
+            rc = lib.coli_lru_wait_idle(self._handle, -1 if layer is None else layer, ns)
+        finally:
+            self._leave()
+        if rc != 0:
+            where = "the store" if layer is None else f"layer {layer}"
+            raise error_for(rc, f"loads in {where} still running after {timeout} s")
+
+    # -- stats and life cycle --
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters."""
+        out = ffi.new("ColiExpertStoreStats *")
+        self._enter()
+        try:
+            self._ops.stats(self._handle, out)
+        finally:
+            self._leave()
+        return StoreStats.from_c(out)
+
+    def _inject_read_fault(self, nth: int, errno_value: int) -> None:
+        """Test hook: make the nth read from now fail with errno_value (0 disarms)."""
+        self._enter()
+        try:
+            lib.coli_lru_inject_read_fault(self._handle, nth, errno_value)
+        finally:
+            self._leave()
+
+    def close(self) -> None:
+        """Free the cache. Refuses (LeaseError) while leases are held; a second
+        close does nothing."""
+        with self._mutex:
+            if self._closed:
+                return
+            held = int(lib.coli_lru_active_leases(self._handle))
+            if held or self._calls:
+                raise LeaseError(
+                    f"cannot close the store: {held} leases are still held "
+                    "(release them and delete arrays kept from them)"
+                    if held else "cannot close the store while another thread is inside a call"
+                )
+            self._closed = True
+        ffi.release(self._handle)  # runs _destroy_handle now
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.layers)} layers"
+        return f"<colibri.Store {self.model.layout} {state}>"
+
+
+def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
+    ex = model.expert(layer, next(iter(model.experts[layer])))
+    parts: list[tuple[np.dtype, tuple[int, int]] | None] = []
+    for info in [ex.weight(r) for r in _ROLES] + [ex.scale(r) for r in _ROLES]:
+        if info is None:
+            parts.append(None)
+            continue
+        dt = _dtypes.lookup(info.dtype)
+        assert dt is not None and dt.numpy is not None
+        rows, cols = info.shape
+        parts.append((np.dtype(dt.numpy), (rows, cols)))
+    return _LayerArrays(tuple(parts))
+
+
+def _fill_source(dst: Any, ex: Any, role: str) -> None:
+    w = ex.weight(role)
+    dst.file = w.file
+    dst.offset = w.offset
+    dst.nbytes = w.nbytes
+    dst.format = ex.coli_format(role)
+    dst.rows, dst.columns = w.shape
+    scale = ex.scale(role)
+    if scale is None:
+        dst.scale_format = _dtypes.COLI_SCALE_NONE
+        return
+    dst.scale_format = _dtypes.COLI_SCALE_F32
+    dst.scale_file = scale.file
+    dst.scale_offset = scale.offset
+    dst.scale_nbytes = scale.nbytes
+    dst.block_rows, dst.block_columns = ex.block_shape(role)
+
+
+def _destroy_handle(handle: Any) -> None:
+    # Reached from close() or from garbage collection of an unclosed store.
+    # A store collected with leases alive (only possible in a reference cycle)
+    # is leaked rather than freed under them.
+    if lib.coli_lru_active_leases(handle):
+        log.warning("a colibri store was garbage-collected with leases held; leaking it")
+        return
+    handle.ops.destroy(handle)
+
+
+def _create_handle(
+    model: ModelExperts,
+    *,
+    slots_per_layer: int | None,
+    capacity_bytes: int | None,
+    prefetch_workers: int,
+    direct_io: bool,
+    slot_wait_timeout: float | None,
+    prefetch_queue_depth: int,
+) -> Any:
+    keys = list(model.keys())
+    sources = ffi.new("ColiExpertSource[]", len(keys))
+    for i, (layer, expert) in enumerate(keys):
+        ex = model.expert(layer, expert)
+        src = sources[i]
+        src.layer, src.expert = layer, expert
+        for role in _ROLES:
+            _fill_source(getattr(src, role), ex, role)
+    paths = [ffi.new("char[]", p.encode()) for p in model.files]
+    files = ffi.new("const char *[]", paths)
+    cfg = ffi.new("ColiLruConfig *")
+    cfg.files = files
+    cfg.n_files = len(paths)
+    cfg.experts = sources
+    cfg.n_experts = len(keys)
+    cfg.slots_per_layer = slots_per_layer or 0
+    cfg.capacity_bytes = capacity_bytes or 0
+    cfg.prefetch_workers = prefetch_workers
+    cfg.prefetch_queue_depth = prefetch_queue_depth
+    cfg.direct_io = int(bool(direct_io))
+    cfg.slot_wait_timeout_ns = -1 if slot_wait_timeout is None else int(slot_wait_timeout * 1e9)
+    out = ffi.new("ColiExpertStore **")
+    err = ffi.new("char[]", _ERR_LEN)
+    rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)
+    _check(rc, err)
+    return ffi.gc(out[0], _destroy_handle)
+
+
+def _count(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"{name} must be an int, not {type(value).__name__}")
+    if value < minimum:
+        raise FormatError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def open_store(
+    path: Union[ModelSource, Sequence[ModelSource]],
+    *,
+    layout: Union[str, Layout] = "auto",
+    slots_per_layer: int | None = None,
+    capacity_bytes: int | None = None,
+    prefetch_workers: int = 2,
+    direct_io: bool = False,
+    slot_wait_timeout: float | None = 5.0,
+    prefetch_queue_depth: int = 0,
+) -> Store:
+    """Open a model's routed experts as a leased, per-layer LRU cache.
+
+    ``path`` is a model directory (one file, or shards with
+    ``model.safetensors.index.json``), one ``.safetensors`` file, or a list of
+    them. Give at most one budget: ``slots_per_layer`` (capped at each layer's
+    expert count) or ``capacity_bytes`` (split evenly across layers); with
+    neither, every layer gets ``DEFAULT_SLOTS_PER_LAYER`` slots.
+    ``prefetch_workers`` I/O threads serve ``prefetch`` (0 turns it off).
+    ``slot_wait_timeout`` is how long (seconds; None = forever) a lookup waits
+    when every slot of its layer is leased before CacheFullError.
+    """
+    if slots_per_layer is not None and capacity_bytes is not None:
+        raise FormatError("give slots_per_layer or capacity_bytes, not both")
+    if slots_per_layer is not None:
+        slots_per_layer = _count(slots_per_layer, "slots_per_layer", minimum=1)
+    if capacity_bytes is not None:
+        capacity_bytes = _count(capacity_bytes, "capacity_bytes", minimum=1)
+    if slots_per_layer is None and capacity_bytes is None:
+        slots_per_layer = DEFAULT_SLOTS_PER_LAYER
+    prefetch_workers = _count(prefetch_workers, "prefetch_workers", minimum=0)
+    prefetch_queue_depth = _count(prefetch_queue_depth, "prefetch_queue_depth", minimum=0)
+    if slot_wait_timeout is not None and not slot_wait_timeout >= 0:
+        raise FormatError(f"slot_wait_timeout must be >= 0 seconds or None, got {slot_wait_timeout}")
+    model = scan_model(path, layout=layout)  # type: ignore[arg-type]
+    return Store(
+        model,
+        slots_per_layer=slots_per_layer,
+        capacity_bytes=capacity_bytes,
+        prefetch_workers=prefetch_workers,
+        direct_io=direct_io,
+        slot_wait_timeout=slot_wait_timeout,
+        prefetch_queue_depth=prefetch_queue_depth,
+    )

@@ -1,0 +1,272 @@
+/*
+ * expert_reader.c: file opening, source validation, read plans and reads.
+ */
+#define _GNU_SOURCE               /* O_DIRECT */
+#include "expert_reader.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define RUN_ALIGN 64u             /* buffered runs keep their file offset's alignment mod this */
+
+int coli_fail(char *err, size_t err_len, int code, const char *fmt, ...) {
+    if (err && err_len > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, err_len, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+void coli_files_close(ColiFileSet *files) {
+    if (!files) return;
+    for (int i = 0; i < files->n; i++) {
+        if (files->fds && files->fds[i] >= 0) close(files->fds[i]);
+        if (files->paths) free(files->paths[i]);
+    }
+    free(files->fds);
+    free(files->paths);
+    free(files->sizes);
+    memset(files, 0, sizeof(*files));
+}
+
+int coli_files_open(ColiFileSet *files, const char *const *paths, int n,
+                    bool direct, char *err, size_t err_len) {
+    memset(files, 0, sizeof(*files));
+    if (n <= 0 || !paths)
+        return coli_fail(err, err_len, COLI_ECONFIG, "config lists no files");
+    files->fds = malloc(sizeof(int) * (size_t)n);
+    files->paths = calloc((size_t)n, sizeof(char *));
+    files->sizes = calloc((size_t)n, sizeof(uint64_t));
+    if (!files->fds || !files->paths || !files->sizes) {
+        free(files->fds); free(files->paths); free(files->sizes);
+        memset(files, 0, sizeof(*files));
+        return coli_fail(err, err_len, COLI_ENOMEM, "out of memory opening %d files", n);
+    }
+    for (int i = 0; i < n; i++) files->fds[i] = -1;
+    files->n = n;
+    for (int i = 0; i < n; i++) {
+        if (!paths[i]) {
+            coli_files_close(files);
+            return coli_fail(err, err_len, COLI_ECONFIG, "file %d has a NULL path", i);
+        }
+        files->paths[i] = strdup(paths[i]);
+        if (!files->paths[i]) {
+            coli_files_close(files);
+            return coli_fail(err, err_len, COLI_ENOMEM, "out of memory copying path %s", paths[i]);
+        }
+        int fd = -1;
+        if (direct) {
+            fd = open(paths[i], O_RDONLY | O_CLOEXEC | O_DIRECT);
+            if (fd < 0 && errno == EINVAL) files->direct_fallback = true;
+        }
+        if (fd < 0 && (!direct || errno == EINVAL))
+            fd = open(paths[i], O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            int e = errno;
+            coli_files_close(files);
+            return coli_fail(err, err_len, COLI_EIO, "cannot open %s: %s (errno %d)",
+                             paths[i], strerror(e), e);
+        }
+        files->fds[i] = fd;
+        struct stat st;
+        if (fstat(fd, &st) != 0) {
+            int e = errno;
+            coli_files_close(files);
+            return coli_fail(err, err_len, COLI_EIO, "cannot stat %s: %s (errno %d)",
+                             paths[i], strerror(e), e);
+        }
+        files->sizes[i] = (uint64_t)st.st_size;
+    }
+    return COLI_OK;
+}
+
+/* Bytes a tensor of this format and shape occupies; 0 for an unknown format. */
+static bool data_bytes_for(ColiTensorFormat f, int64_t rows, int64_t cols, uint64_t *out) {
+    uint64_t r = (uint64_t)rows, c = (uint64_t)cols, per_row;
+    switch (f) {
+    case COLI_TENSOR_F32: per_row = c * 4; break;
+    case COLI_TENSOR_F16:
+    case COLI_TENSOR_BF16: per_row = c * 2; break;
+    case COLI_TENSOR_Q8_ROW:
+    case COLI_TENSOR_FP8_E4M3_BLOCK:
+    case COLI_TENSOR_INT8_BLOCK:
+    case COLI_TENSOR_F8_E4M3:
+    case COLI_TENSOR_F8_E5M2: per_row = c; break;
+    case COLI_TENSOR_Q4_ROW:
+    case COLI_TENSOR_FP4_NATIVE_BLOCK:
+    case COLI_TENSOR_INT4_BLOCK: per_row = (c + 1) / 2; break;
+    case COLI_TENSOR_Q2_ROW: per_row = (c + 3) / 4; break;
+    default: return false;
+    }
+    return !__builtin_mul_overflow(per_row, r, out);
+}
+
+static int check_range(const ColiFileSet *files, int file, uint64_t off, uint64_t len,
+                       const char *what, const char *part, char *err, size_t err_len) {
+    if (file < 0 || file >= files->n)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s %s: file index %d out of range (%d files)",
+                         what, part, file, files->n);
+    uint64_t end;
+    if (__builtin_add_overflow(off, len, &end) || end > files->sizes[file])
+        return coli_fail(err, err_len, COLI_ECONFIG,
+                         "%s %s: bytes [%llu, %llu) lie past the end of %s (%llu bytes)",
+                         what, part, (unsigned long long)off, (unsigned long long)off + len,
+                         files->paths[file], (unsigned long long)files->sizes[file]);
+    return COLI_OK;
+}
+
+int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
+                      const char *what, char *err, size_t err_len) {
+    if (t->rows <= 0 || t->columns <= 0)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: shape %lld x %lld is not positive",
+                         what, (long long)t->rows, (long long)t->columns);
+    uint64_t expect;
+    if (!data_bytes_for(t->format, t->rows, t->columns, &expect))
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown or oversized format %d (%lld x %lld)",
+                         what, (int)t->format, (long long)t->rows, (long long)t->columns);
+    if (t->nbytes != expect)
+        return coli_fail(err, err_len, COLI_ECONFIG,
+                         "%s: %llu bytes do not match format %d of shape %lld x %lld (%llu expected)",
+                         what, (unsigned long long)t->nbytes, (int)t->format,
+                         (long long)t->rows, (long long)t->columns, (unsigned long long)expect);
+    int rc = check_range(files, t->file, t->offset, t->nbytes, what, "data", err, err_len);
+    if (rc) return rc;
+    if (t->scale_format == COLI_SCALE_NONE) return COLI_OK;
+    if (t->scale_format != COLI_SCALE_F32 && t->scale_format != COLI_SCALE_UE8M0)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown scale format %d",
+                         what, (int)t->scale_format);
+    if (t->block_rows == 0 || t->block_columns == 0)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: scaled tensor with a zero block size", what);
+    uint64_t blocks = ((uint64_t)t->rows + t->block_rows - 1) / t->block_rows *
+                      (((uint64_t)t->columns + t->block_columns - 1) / t->block_columns);
+    uint64_t scale_expect = blocks * (t->scale_format == COLI_SCALE_F32 ? 4u : 1u);
+    if (t->scale_nbytes != scale_expect)
+        return coli_fail(err, err_len, COLI_ECONFIG,
+                         "%s: %llu scale bytes, %llu expected for %u x %u blocks",
+                         what, (unsigned long long)t->scale_nbytes,
+                         (unsigned long long)scale_expect, t->block_rows, t->block_columns);
+    return check_range(files, t->scale_file, t->scale_offset, t->scale_nbytes, what, "scales",
+                       err, err_len);
+}
+
+typedef struct {
+    int file;
+    uint64_t offset, length;
+    int role;                     /* 0..2 gate/up/down */
+    bool scales;
+} Range;
+
+int coli_plan_expert(const ColiExpertSource *src, bool direct,
+                     ColiReadPlan *plan, char *err, size_t err_len) {
+    const ColiTensorSource *roles[3] = {&src->gate, &src->up, &src->down};
+    Range r[COLI_MAX_RUNS];
+    int n = 0;
+    memset(plan, 0, sizeof(*plan));
+    for (int i = 0; i < 3; i++) {
+        const ColiTensorSource *t = roles[i];
+        r[n++] = (Range){t->file, t->offset, t->nbytes, i, false};
+        plan->payload += t->nbytes;
+        if (t->scale_format != COLI_SCALE_NONE) {
+            r[n++] = (Range){t->scale_file, t->scale_offset, t->scale_nbytes, i, true};
+            plan->payload += t->scale_nbytes;
+        }
+    }
+    for (int i = 1; i < n; i++) {   /* insertion sort by (file, offset): n <= 6 */
+        Range x = r[i];
+        int j = i - 1;
+        while (j >= 0 && (r[j].file > x.file || (r[j].file == x.file && r[j].offset > x.offset))) {
+            r[j + 1] = r[j];
+            j--;
+        }
+        r[j + 1] = x;
+    }
+    uint64_t cursor = 0;
+    int run = -1;
+    uint64_t run_end = 0, run_base = 0;   /* file offset where the run's bytes start in the slot */
+    for (int i = 0; i < n; i++) {
+        if (run >= 0 && r[i].file == r[i - 1].file && r[i].offset < run_end)
+            return coli_fail(err, err_len, COLI_ECONFIG,
+                             "layer %d expert %d: tensors overlap in file %d at offset %llu",
+                             src->layer, src->expert, r[i].file, (unsigned long long)r[i].offset);
+        bool extend = run >= 0 && r[i].file == plan->runs[run].file && r[i].offset == run_end;
+        if (!extend) {
+            if (run >= 0) cursor = plan->runs[run].slot_offset + plan->runs[run].length;
+            run++;
+            ColiReadRun *rr = &plan->runs[run];
+            rr->file = r[i].file;
+            run_base = direct ? r[i].offset / COLI_IO_ALIGN * COLI_IO_ALIGN : r[i].offset;
+            rr->file_offset = run_base;
+            rr->slot_offset = direct ? round_up(cursor, COLI_IO_ALIGN)
+                                     : round_up(cursor, RUN_ALIGN) + r[i].offset % RUN_ALIGN;
+        }
+        ColiReadRun *rr = &plan->runs[run];
+        run_end = r[i].offset + r[i].length;
+        rr->needed = run_end - run_base;
+        rr->length = direct ? round_up(rr->needed, COLI_IO_ALIGN) : rr->needed;
+        uint64_t at = rr->slot_offset + (r[i].offset - run_base);
+        if (r[i].scales) plan->scales_at[r[i].role] = at;
+        else plan->data_at[r[i].role] = at;
+    }
+    plan->n_runs = run + 1;
+    plan->footprint = plan->runs[run].slot_offset + plan->runs[run].length;
+    return COLI_OK;
+}
+
+/* True when the armed fault hook says this read must fail. */
+static bool fault_fires(ColiFaultHook *fault) {
+    if (!fault) return false;
+    uint64_t cur = atomic_load(&fault->countdown);
+    while (cur != 0) {
+        if (atomic_compare_exchange_weak(&fault->countdown, &cur, cur - 1)) return cur == 1;
+    }
+    return false;
+}
+
+int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
+                     unsigned char *slot, ColiFaultHook *fault,
+                     uint64_t *bytes_read, char *err, size_t err_len) {
+    *bytes_read = 0;
+    for (int i = 0; i < plan->n_runs; i++) {
+        const ColiReadRun *rr = &plan->runs[i];
+        int fd = files->fds[rr->file];
+        uint64_t done = 0;
+        while (done < rr->length) {
+            ssize_t got;
+            if (fault_fires(fault)) {
+                errno = atomic_load(&fault->errno_value);
+                got = -1;
+            } else {
+                got = pread(fd, slot + rr->slot_offset + done, rr->length - done,
+                            (off_t)(rr->file_offset + done));
+            }
+            if (got < 0) {
+                int e = errno;
+                if (e == EINTR) continue;
+                return coli_fail(err, err_len, COLI_EIO,
+                                 "reading %llu bytes of %s at offset %llu failed: %s (errno %d)",
+                                 (unsigned long long)(rr->length - done), files->paths[rr->file],
+                                 (unsigned long long)(rr->file_offset + done), strerror(e), e);
+            }
+            if (got == 0) break;  /* end of file */
+            done += (uint64_t)got;
+            *bytes_read += (uint64_t)got;
+        }
+        if (done < rr->needed)
+            return coli_fail(err, err_len, COLI_EIO,
+                             "reading %s at offset %llu: the file ends after %llu of %llu bytes "
+                             "(truncated since the store opened it?)",
+                             files->paths[rr->file], (unsigned long long)rr->file_offset,
+                             (unsigned long long)done, (unsigned long long)rr->needed);
+    }
+    return COLI_OK;
+}

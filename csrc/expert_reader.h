@@ -1,0 +1,84 @@
+/*
+ * expert_reader.h (private): where an expert's bytes are and how to read them.
+ *
+ * At store creation every expert gets a read plan: its tensor ranges sorted
+ * by file and offset, ranges that touch in the file merged into one read,
+ * and each tensor's place in slot memory. A load then issues one pread per
+ * merged run (one in total when gate, up and down are adjacent, as they are
+ * in every checkpoint we have seen).
+ *
+ * Nothing here locks: a plan is immutable after creation and a load writes
+ * only into the slot memory its caller owns.
+ */
+#ifndef COLI_EXPERT_READER_H
+#define COLI_EXPERT_READER_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lru_store.h"
+
+#define COLI_IO_ALIGN 4096u       /* O_DIRECT alignment of offsets, lengths and buffers */
+#define COLI_MAX_RUNS 6           /* gate, up, down and their scales */
+
+typedef struct {
+    int file;                     /* index into the model's files */
+    uint64_t file_offset;         /* where the read starts (aligned with direct I/O) */
+    uint64_t length;              /* bytes asked of pread */
+    uint64_t needed;              /* bytes that must arrive: the rest is alignment padding past EOF */
+    uint64_t slot_offset;         /* where the read lands in slot memory */
+} ColiReadRun;
+
+typedef struct {
+    ColiReadRun runs[COLI_MAX_RUNS];
+    int n_runs;
+    uint64_t footprint;           /* slot bytes this expert occupies */
+    uint64_t payload;             /* bytes of its tensors and scales */
+    uint64_t data_at[3];          /* slot offset of gate, up, down data */
+    uint64_t scales_at[3];        /* slot offset of their scales */
+} ColiReadPlan;
+
+/* The model's open files. */
+typedef struct {
+    int n;
+    int *fds;                     /* -1 when not open */
+    char **paths;
+    uint64_t *sizes;
+    bool direct_fallback;         /* O_DIRECT was asked for and refused */
+} ColiFileSet;
+
+/* Test hook state: the nth read from now fails with errno_value. */
+typedef struct {
+    _Atomic uint64_t countdown;
+    _Atomic int errno_value;
+} ColiFaultHook;
+
+/* Opens every path read-only (O_DIRECT when direct, falling back to the page
+ * cache where the file system refuses it). On failure nothing stays open. */
+int coli_files_open(ColiFileSet *files, const char *const *paths, int n,
+                    bool direct, char *err, size_t err_len);
+/* Closes and frees; safe on a zeroed or half-opened set. */
+void coli_files_close(ColiFileSet *files);
+
+/* Checks one tensor's source against the files and its format and shape.
+ * what names it in messages ("layer 3 expert 5 gate"). */
+int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
+                      const char *what, char *err, size_t err_len);
+
+/* Builds the read plan of an expert whose sources passed coli_check_tensor. */
+int coli_plan_expert(const ColiExpertSource *src, bool direct,
+                     ColiReadPlan *plan, char *err, size_t err_len);
+
+/* Reads every run of plan into slot memory. *bytes_read gets the bytes that
+ * arrived, also on failure. A failure names file, offset and errno. */
+int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
+                     unsigned char *slot, ColiFaultHook *fault,
+                     uint64_t *bytes_read, char *err, size_t err_len);
+
+/* snprintf into err (if any) and return code. */
+int coli_fail(char *err, size_t err_len, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+#endif /* COLI_EXPERT_READER_H */

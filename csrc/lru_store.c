@@ -1,0 +1,813 @@
+/*
+ * lru_store.c: the per-layer LRU expert store.
+ *
+ * Each MoE layer owns a fixed array of slots carved from one page-aligned
+ * arena, and an LRU list that holds exactly the slots that may be evicted:
+ * empty ones and resident ones with no lease. As in SQLite's page cache,
+ * "leased" means "not on the list", so the hit path unlinks in O(1) and the
+ * victim is always the tail, also O(1). The list is circular around a
+ * sentinel, so linking never tests for NULL.
+ *
+ *      sentinel <-> MRU ... LRU <-> sentinel         (lru.next is the MRU end)
+ *
+ *   one slot:   +-------------------------------------------------+
+ *               | expert's runs, as read: gate | up | down (+scales)|
+ *               +-------------------------------------------------+
+ *               state EMPTY -> QUEUED -> READING -> RESIDENT -> ... -> EMPTY
+ *
+ * A slot is on the list iff it is EMPTY, or RESIDENT with zero leases.
+ * QUEUED (a prefetch waiting for a worker) and READING slots are off the list
+ * and owned by whoever reads them; lookups of their expert join the load,
+ * and a demand lookup takes a QUEUED slot over instead of waiting behind
+ * the queue. Every time a slot is given to another expert, or emptied after
+ * a failed read, its generation goes up (lease contract rule 4).
+ *
+ * Locking: one mutex and one condition variable per layer guard that
+ * layer's slots, list, expert table and counters. The condition is broadcast
+ * when a lease is released or a load ends, if anyone waits. No lock is held
+ * during a read. The pool mutex nests inside a layer mutex (prefetch posts
+ * while holding its layer), never the reverse.
+ */
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime, pthread_condattr_setclock, posix_memalign */
+#include "lru_store.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "expert_reader.h"
+#include "io_pool.h"
+
+#define DEFAULT_QUEUE_DEPTH 256u
+#define MAX_LAYER_ID 1000000
+#define MAX_EXPERT_ID 1000000
+#define ERRLEN 512
+
+typedef enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_READING, SLOT_RESIDENT } SlotState;
+
+typedef struct Layer Layer;
+typedef struct Slot Slot;
+
+struct Slot {
+    Slot *prev, *next;            /* LRU links; valid only while on_list */
+    Layer *layer;                 /* owning layer, fixed */
+    unsigned char *mem;           /* slot memory, fixed */
+    int expert;                   /* expert held or loading; -1 when EMPTY */
+    SlotState state;
+    bool on_list;                 /* on the layer's LRU list */
+    bool prefetched;              /* loaded by prefetch and not hit yet */
+    uint32_t leases;              /* active leases; > 0 only when RESIDENT */
+    uint64_t generation;          /* bumped whenever the slot is repurposed */
+};
+
+typedef struct {
+    bool present;                 /* the model has this expert */
+    ColiExpertSource src;         /* formats and shapes for views */
+    ColiReadPlan plan;
+    Slot *slot;                   /* slot holding or loading it, or NULL */
+} Entry;
+
+typedef struct {
+    uint64_t requests, hits, misses, prefetched, prefetch_hits, bytes_read;
+    uint64_t inflight_joins, loads_started, loads_failed, evictions, slot_waits;
+} Counters;
+
+struct Layer {
+    pthread_mutex_t mu;           /* guards everything below but the fixed fields */
+    pthread_cond_t cv;            /* a lease was released or a load ended */
+    int id;                       /* the model's layer index, fixed */
+    int n_entries;                /* largest expert index + 1, fixed */
+    Entry *entries;               /* indexed by expert */
+    Slot *slots;                  /* n_slots, fixed */
+    int n_slots;
+    uint64_t slot_bytes;          /* stride of the arena, fixed */
+    unsigned char *arena;
+    Slot list;                    /* LRU sentinel */
+    uint32_t waiters;             /* threads in a wait on cv */
+    uint32_t loading;             /* slots QUEUED or READING */
+    uint32_t queued;              /* slots QUEUED */
+    uint64_t resident_bytes;
+    Counters c;
+    bool sync_ready;              /* mu and cv were initialised */
+};
+
+typedef struct {
+    ColiExpertStore base;         /* handed out; base.state points here */
+    ColiFileSet files;
+    Layer *layers;                /* n_layers, sorted by id */
+    int n_layers;
+    Layer **by_id;                /* layer id -> layer or NULL, max_id + 1 entries */
+    int max_id;
+    bool direct;
+    int64_t wait_timeout_ns;
+    ColiIoPool pool;
+    ColiFaultHook fault;
+    _Atomic uint64_t inflight;    /* loads QUEUED or READING, all layers */
+    _Atomic uint64_t peak_inflight;
+    _Atomic uint64_t active_leases;
+} LruStore;
+
+static const ColiExpertStoreOps LRU_OPS;
+
+/* ---- list ------------------------------------------------------------ */
+
+/* Caller holds the slot's layer mutex for every list function. */
+static void list_unlink(Slot *s) {
+    assert(s->on_list);
+    s->prev->next = s->next;
+    s->next->prev = s->prev;
+    s->on_list = false;
+}
+
+static void list_push_mru(Layer *L, Slot *s) {
+    assert(!s->on_list);
+    s->next = L->list.next;
+    s->prev = &L->list;
+    L->list.next->prev = s;
+    L->list.next = s;
+    s->on_list = true;
+}
+
+static void list_push_lru(Layer *L, Slot *s) {
+    assert(!s->on_list);
+    s->prev = L->list.prev;
+    s->next = &L->list;
+    L->list.prev->next = s;
+    L->list.prev = s;
+    s->on_list = true;
+}
+
+static Slot *list_victim(Layer *L) {
+    return L->list.prev == &L->list ? NULL : L->list.prev;
+}
+
+/* ---- helpers --------------------------------------------------------- */
+
+static LruStore *store_of(ColiExpertStore *store) {
+    return (store && store->ops == &LRU_OPS) ? (LruStore *)store->state : NULL;
+}
+
+static Layer *find_layer(LruStore *s, int layer) {
+    return (layer >= 0 && layer <= s->max_id) ? s->by_id[layer] : NULL;
+}
+
+static Entry *find_entry(Layer *L, int expert) {
+    return (expert >= 0 && expert < L->n_entries && L->entries[expert].present)
+               ? &L->entries[expert] : NULL;
+}
+
+static void inflight_up(LruStore *s) {
+    uint64_t now = atomic_fetch_add(&s->inflight, 1) + 1;
+    uint64_t peak = atomic_load(&s->peak_inflight);
+    while (now > peak && !atomic_compare_exchange_weak(&s->peak_inflight, &peak, now)) {}
+}
+
+static void wake(Layer *L) {
+    if (L->waiters > 0) pthread_cond_broadcast(&L->cv);
+}
+
+/* Gives slot v to entry e in state st: drops whatever v held (counting an
+ * eviction), bumps its generation. Caller holds L->mu; v is on the list. */
+static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, SlotState st) {
+    list_unlink(v);
+    if (v->state == SLOT_RESIDENT) {
+        L->entries[v->expert].slot = NULL;
+        L->resident_bytes -= L->entries[v->expert].plan.payload;
+        L->c.evictions++;
+    }
+    v->generation++;
+    v->expert = expert;
+    v->state = st;
+    v->prefetched = (st == SLOT_QUEUED);
+    e->slot = v;
+    L->loading++;
+    if (st == SLOT_QUEUED) L->queued++;
+    L->c.loads_started++;
+    inflight_up(s);
+}
+
+/* Ends the load of slot v (READING): on success it becomes RESIDENT with
+ * `leases` leases; on failure it becomes EMPTY at the LRU end. Caller holds
+ * L->mu. */
+static void finish_load(LruStore *s, Layer *L, Slot *v, bool ok, uint64_t nread, uint32_t leases) {
+    Entry *e = &L->entries[v->expert];
+    L->c.bytes_read += nread;
+    L->loading--;
+    atomic_fetch_sub(&s->inflight, 1);
+    if (ok) {
+        v->state = SLOT_RESIDENT;
+        v->leases = leases;
+        L->resident_bytes += e->plan.payload;
+        if (leases == 0) list_push_mru(L, v);
+        else atomic_fetch_add(&s->active_leases, leases);
+    } else {
+        L->c.loads_failed++;
+        e->slot = NULL;
+        v->expert = -1;
+        v->state = SLOT_EMPTY;
+        v->prefetched = false;
+        v->generation++;
+        list_push_lru(L, v);
+    }
+    wake(L);
+}
+
+static void fill_tensor(ColiTensorView *t, const ColiTensorSource *src, const unsigned char *mem,
+                        uint64_t data_at, uint64_t scales_at) {
+    t->format = src->format;
+    t->scale_format = src->scale_format;
+    t->data = mem + data_at;
+    t->scales = src->scale_format == COLI_SCALE_NONE ? NULL : mem + scales_at;
+    t->data_bytes = (size_t)src->nbytes;
+    t->scale_bytes = src->scale_format == COLI_SCALE_NONE ? 0 : (size_t)src->scale_nbytes;
+    t->rows = src->rows;
+    t->columns = src->columns;
+    t->block_rows = src->scale_format == COLI_SCALE_NONE ? 0 : src->block_rows;
+    t->block_columns = src->scale_format == COLI_SCALE_NONE ? 0 : src->block_columns;
+}
+
+static void fill_view(ColiExpertView *view, Layer *L, Slot *v) {
+    const Entry *e = &L->entries[v->expert];
+    view->key.layer = L->id;
+    view->key.expert = v->expert;
+    fill_tensor(&view->gate, &e->src.gate, v->mem, e->plan.data_at[0], e->plan.scales_at[0]);
+    fill_tensor(&view->up, &e->src.up, v->mem, e->plan.data_at[1], e->plan.scales_at[1]);
+    fill_tensor(&view->down, &e->src.down, v->mem, e->plan.data_at[2], e->plan.scales_at[2]);
+    view->lease = v;
+    view->lease_generation = v->generation;
+}
+
+/* Takes a lease on resident slot v as a hit. Caller holds L->mu. */
+static void lease_hit(LruStore *s, Layer *L, Slot *v, ColiExpertView *view) {
+    if (v->on_list) list_unlink(v);
+    v->leases++;
+    atomic_fetch_add(&s->active_leases, 1);
+    L->c.requests++;
+    L->c.hits++;
+    if (v->prefetched) {
+        L->c.prefetch_hits++;
+        v->prefetched = false;
+    }
+    fill_view(view, L, v);
+}
+
+/* Reads entry's expert into v, which the caller has marked READING, and
+ * leases it to view. Called and returns with L->mu held; drops it to read. */
+static int demand_read(LruStore *s, Layer *L, Slot *v, ColiExpertView *view, char *err, size_t n) {
+    Entry *e = &L->entries[v->expert];
+    uint64_t nread = 0;
+    pthread_mutex_unlock(&L->mu);
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &nread, err, n);
+    pthread_mutex_lock(&L->mu);
+    finish_load(s, L, v, rc == COLI_OK, nread, 1);
+    if (rc == COLI_OK) fill_view(view, L, v);
+    return rc;
+}
+
+/* A QUEUED slot of another expert that a demand miss may take, or NULL. */
+static Slot *queued_slot(Layer *L) {
+    for (int i = 0; i < L->n_slots; i++)
+        if (L->slots[i].state == SLOT_QUEUED) return &L->slots[i];
+    return NULL;
+}
+
+/* Cancels the queued prefetch in v (its job goes stale by generation) and
+ * makes v an empty evictable slot. Caller holds L->mu. */
+static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
+    L->entries[v->expert].slot = NULL;
+    L->queued--;
+    L->loading--;
+    atomic_fetch_sub(&s->inflight, 1);
+    v->expert = -1;
+    v->state = SLOT_EMPTY;
+    v->prefetched = false;
+    v->generation++;
+    list_push_lru(L, v);
+}
+
+static void deadline_after(struct timespec *ts, int64_t ns) {
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ns / 1000000000;
+    ts->tv_nsec += ns % 1000000000;
+    if (ts->tv_nsec >= 1000000000) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000;
+    }
+}
+
+/* Waits on L->cv, until deadline when given. Returns ETIMEDOUT or 0. */
+static int layer_wait(Layer *L, const struct timespec *deadline) {
+    L->waiters++;
+    int rc = deadline ? pthread_cond_timedwait(&L->cv, &L->mu, deadline)
+                      : pthread_cond_wait(&L->cv, &L->mu);
+    L->waiters--;
+    return rc;
+}
+
+static bool release_locked(LruStore *s, Layer *L, ColiExpertView *view);
+
+/* ---- ops ------------------------------------------------------------- */
+
+int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
+                    ColiExpertView *view, char *err, size_t n) {
+    LruStore *s = store_of(store);
+    if (!view) return coli_fail(err, n, COLI_EINVAL, "lookup of layer %d expert %d: view is NULL", layer, expert);
+    if (!s) {
+        memset(view, 0, sizeof(*view));
+        return coli_fail(err, n, COLI_EINVAL, "lookup: not an LRU expert store");
+    }
+    Layer *held = view->lease ? find_layer(s, view->key.layer) : NULL;
+    if (held) {
+        /* Overwriting a live lease would leak it for good, so drop it and
+         * refuse. Anything else in the view is garbage we may overwrite. */
+        pthread_mutex_lock(&held->mu);
+        bool live = release_locked(s, held, view);
+        pthread_mutex_unlock(&held->mu);
+        if (live) {
+            memset(view, 0, sizeof(*view));
+            return coli_fail(err, n, COLI_ELEASE,
+                             "lookup of layer %d expert %d: the view already holds a lease "
+                             "(it was released); pass a zeroed view", layer, expert);
+        }
+    }
+    memset(view, 0, sizeof(*view));
+    Layer *L = find_layer(s, layer);
+    if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
+    Entry *e = find_entry(L, expert);
+    if (!e)
+        return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no expert %d (experts 0..%d)",
+                         layer, expert, L->n_entries - 1);
+
+    pthread_mutex_lock(&L->mu);
+    bool joined = false, full_wait = false;
+    struct timespec deadline;
+    for (;;) {
+        Slot *v = e->slot;
+        if (v && v->state == SLOT_RESIDENT) {
+            lease_hit(s, L, v, view);
+            pthread_mutex_unlock(&L->mu);
+            return COLI_OK;
+        }
+        if (v && v->state == SLOT_QUEUED) {
+            /* Take the queued prefetch over rather than wait behind the queue;
+             * the worker will find the slot READING and skip the job. */
+            v->state = SLOT_READING;
+            L->queued--;
+            L->c.requests++;
+            L->c.hits++;
+            L->c.inflight_joins++;
+            L->c.prefetch_hits++;
+            v->prefetched = false;
+            int rc = demand_read(s, L, v, view, err, n);
+            pthread_mutex_unlock(&L->mu);
+            return rc;
+        }
+        if (v) {                  /* READING elsewhere: join that load */
+            if (!joined) L->c.inflight_joins++;
+            joined = true;
+            layer_wait(L, NULL);
+            continue;
+        }
+        Slot *victim = list_victim(L);
+        if (!victim && L->queued > 0) {
+            victim = queued_slot(L);
+            cancel_queued(s, L, victim);
+        }
+        if (victim) {
+            repurpose(s, L, victim, e, expert, SLOT_READING);
+            L->c.requests++;
+            L->c.misses++;
+            int rc = demand_read(s, L, victim, view, err, n);
+            pthread_mutex_unlock(&L->mu);
+            return rc;
+        }
+        if (L->loading > 0) {     /* a load ends soon and frees or fills a slot */
+            layer_wait(L, NULL);
+            continue;
+        }
+        /* Every slot is leased: wait for a release, up to the timeout. */
+        if (!full_wait) {
+            full_wait = true;
+            L->c.slot_waits++;
+            if (s->wait_timeout_ns >= 0) deadline_after(&deadline, s->wait_timeout_ns);
+        }
+        int rc = layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL);
+        if (rc == ETIMEDOUT && !list_victim(L) && L->loading == 0 && !e->slot) {
+            L->c.requests++;
+            pthread_mutex_unlock(&L->mu);
+            return coli_fail(err, n, COLI_EFULL,
+                             "cache full: all %d slots of layer %d stayed leased for %.3f s "
+                             "while looking up expert %d; release leases or raise slots",
+                             L->n_slots, layer, (double)s->wait_timeout_ns / 1e9, expert);
+        }
+    }
+}
+
+static int lru_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view) {
+    return coli_lru_lookup(store, key.layer, key.expert, view, NULL, 0);
+}
+
+/* Drops the lease of view if it is current; false when view holds no live
+ * lease of layer L (stale generation, or not one of L's slots). Caller holds
+ * L->mu. */
+static bool release_locked(LruStore *s, Layer *L, ColiExpertView *view) {
+    Slot *v = view->lease;
+    uintptr_t p = (uintptr_t)v, lo = (uintptr_t)L->slots;
+    if (p < lo || p >= lo + sizeof(Slot) * (size_t)L->n_slots || (p - lo) % sizeof(Slot) != 0)
+        return false;             /* not one of this layer's slots */
+    if (v->generation != view->lease_generation || v->state != SLOT_RESIDENT ||
+        v->leases == 0 || v->expert != view->key.expert)
+        return false;             /* stale: the slot was repurposed since */
+    v->leases--;
+    atomic_fetch_sub(&s->active_leases, 1);
+    if (v->leases == 0) {
+        list_push_mru(L, v);
+        wake(L);
+    }
+    return true;
+}
+
+static void lru_release_op(ColiExpertStore *store, ColiExpertView *view) {
+    LruStore *s = store_of(store);
+    if (!s || !view || !view->lease) return;
+    Layer *L = find_layer(s, view->key.layer);
+    if (!L) return;
+    pthread_mutex_lock(&L->mu);
+    release_locked(s, L, view);
+    pthread_mutex_unlock(&L->mu);
+}
+
+int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
+                         int count, ColiExpertView *views, char *err, size_t n) {
+    LruStore *s = store_of(store);
+    if (!s || count < 0 || (count > 0 && (!experts || !views)))
+        return coli_fail(err, n, COLI_EINVAL, "lookup_many: bad arguments");
+    memset(views, 0, sizeof(*views) * (size_t)count);
+    Layer *L = find_layer(s, layer);
+    if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
+    int distinct = 0;
+    for (int i = 0; i < count; i++) {
+        if (!find_entry(L, experts[i]))
+            return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no expert %d (experts 0..%d)",
+                             layer, experts[i], L->n_entries - 1);
+        bool seen = false;
+        for (int j = 0; j < i && !seen; j++) seen = experts[j] == experts[i];
+        distinct += !seen;
+    }
+    if (distinct > L->n_slots)
+        return coli_fail(err, n, COLI_EFULL,
+                         "cache full: %d distinct experts asked of layer %d, which has %d slots",
+                         distinct, layer, L->n_slots);
+    for (int i = 0; i < count; i++) {
+        int rc = coli_lru_lookup(store, layer, experts[i], &views[i], err, n);
+        if (rc != COLI_OK) {
+            for (int j = 0; j < i; j++) coli_expert_release(store, &views[j]);
+            return rc;
+        }
+    }
+    return COLI_OK;
+}
+
+/* Worker side of prefetch: reads a QUEUED slot unless it was taken over. */
+static void run_prefetch(void *ctx, ColiJob job) {
+    LruStore *s = ctx;
+    Slot *v = job.item;
+    Layer *L = v->layer;
+    pthread_mutex_lock(&L->mu);
+    if (v->state != SLOT_QUEUED || v->generation != job.tag) {
+        pthread_mutex_unlock(&L->mu);
+        return;
+    }
+    v->state = SLOT_READING;
+    L->queued--;
+    Entry *e = &L->entries[v->expert];
+    pthread_mutex_unlock(&L->mu);
+    uint64_t nread = 0;
+    char err[ERRLEN];
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &nread, err, sizeof err);
+    pthread_mutex_lock(&L->mu);
+    finish_load(s, L, v, rc == COLI_OK, nread, 0);
+    pthread_mutex_unlock(&L->mu);
+}
+
+static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count) {
+    LruStore *s = store_of(store);
+    if (!s || !keys || count <= 0 || s->pool.n_threads == 0) return 0;
+    int accepted = 0;
+    for (int i = 0; i < count; i++) {
+        Layer *L = find_layer(s, keys[i].layer);
+        Entry *e = L ? find_entry(L, keys[i].expert) : NULL;
+        if (!e) continue;
+        pthread_mutex_lock(&L->mu);
+        Slot *v = e->slot ? NULL : list_victim(L);
+        /* Post with the generation repurpose() is about to give the slot; a
+         * worker that pops it first blocks on L->mu until we are done. */
+        if (v && coli_pool_post(&s->pool, (ColiJob){v, v->generation + 1})) {
+            repurpose(s, L, v, e, keys[i].expert, SLOT_QUEUED);
+            L->c.prefetched++;
+            accepted++;
+        }
+        pthread_mutex_unlock(&L->mu);
+    }
+    return accepted;
+}
+
+static void lru_stats_op(ColiExpertStore *store, ColiExpertStoreStats *out) {
+    LruStore *s = store_of(store);
+    if (!out) return;
+    memset(out, 0, sizeof(*out));
+    if (!s) return;
+    for (int i = 0; i < s->n_layers; i++) {
+        Layer *L = &s->layers[i];
+        pthread_mutex_lock(&L->mu);
+        out->requests += L->c.requests;
+        out->hits += L->c.hits;
+        out->misses += L->c.misses;
+        out->prefetched += L->c.prefetched;
+        out->prefetch_hits += L->c.prefetch_hits;
+        out->bytes_read += L->c.bytes_read;
+        out->resident_bytes += L->resident_bytes;
+        out->capacity_bytes += (uint64_t)L->n_slots * L->slot_bytes;
+        out->inflight_joins += L->c.inflight_joins;
+        out->loads_started += L->c.loads_started;
+        out->loads_failed += L->c.loads_failed;
+        out->evictions += L->c.evictions;
+        out->slot_waits += L->c.slot_waits;
+        pthread_mutex_unlock(&L->mu);
+    }
+    out->transient_hits = out->hits;   /* no pinned tier: every hit is the LRU's */
+    out->persistent_hits = 0;
+    out->peak_inflight = atomic_load(&s->peak_inflight);
+}
+
+static void free_store(LruStore *s) {
+    coli_pool_stop(&s->pool);
+    for (int i = 0; i < s->n_layers; i++) {
+        Layer *L = &s->layers[i];
+        if (L->sync_ready) {
+            pthread_cond_destroy(&L->cv);
+            pthread_mutex_destroy(&L->mu);
+        }
+        free(L->arena);
+        free(L->slots);
+        free(L->entries);
+    }
+    free(s->layers);
+    free(s->by_id);
+    coli_files_close(&s->files);
+    free(s);
+}
+
+static void lru_destroy_op(ColiExpertStore *store) {
+    LruStore *s = store_of(store);
+    if (!s) return;
+    assert(atomic_load(&s->active_leases) == 0 && "destroy with active leases (rule 5)");
+    free_store(s);
+}
+
+static const ColiExpertStoreOps LRU_OPS = {
+    .lookup = lru_lookup_op,
+    .release = lru_release_op,
+    .prefetch = lru_prefetch_op,
+    .stats = lru_stats_op,
+    .destroy = lru_destroy_op,
+};
+
+/* ---- creation -------------------------------------------------------- */
+
+static int init_layer_sync(Layer *L, char *err, size_t n) {
+    pthread_condattr_t attr;
+    if (pthread_mutex_init(&L->mu, NULL) != 0)
+        return coli_fail(err, n, COLI_ETHREAD, "cannot create the mutex of layer %d", L->id);
+    if (pthread_condattr_init(&attr) != 0 ||
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
+        pthread_cond_init(&L->cv, &attr) != 0) {
+        pthread_mutex_destroy(&L->mu);
+        return coli_fail(err, n, COLI_ETHREAD, "cannot create the condition of layer %d", L->id);
+    }
+    pthread_condattr_destroy(&attr);
+    L->sync_ready = true;
+    return COLI_OK;
+}
+
+/* Sorts and counts layers, fills entries with validated sources and plans. */
+static int build_layers(LruStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+    int max_id = -1;
+    for (int i = 0; i < cfg->n_experts; i++) {
+        const ColiExpertSource *x = &cfg->experts[i];
+        if (x->layer < 0 || x->layer > MAX_LAYER_ID || x->expert < 0 || x->expert > MAX_EXPERT_ID)
+            return coli_fail(err, n, COLI_ECONFIG, "expert %d of layer %d: index out of range",
+                             x->expert, x->layer);
+        if (x->layer > max_id) max_id = x->layer;
+    }
+    s->max_id = max_id;
+    s->by_id = calloc((size_t)max_id + 1, sizeof(Layer *));
+    int *max_expert = malloc(sizeof(int) * ((size_t)max_id + 1));
+    if (!s->by_id || !max_expert) {
+        free(max_expert);
+        return coli_fail(err, n, COLI_ENOMEM, "out of memory indexing %d layers", max_id + 1);
+    }
+    for (int i = 0; i <= max_id; i++) max_expert[i] = -1;
+    for (int i = 0; i < cfg->n_experts; i++) {
+        const ColiExpertSource *x = &cfg->experts[i];
+        if (x->expert > max_expert[x->layer]) max_expert[x->layer] = x->expert;
+    }
+    for (int i = 0; i <= max_id; i++) s->n_layers += max_expert[i] >= 0;
+    s->layers = calloc((size_t)s->n_layers, sizeof(Layer));
+    if (!s->layers) {
+        free(max_expert);
+        return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d layers", s->n_layers);
+    }
+    int k = 0;
+    for (int id = 0; id <= max_id; id++) {
+        if (max_expert[id] < 0) continue;
+        Layer *L = &s->layers[k++];
+        L->id = id;
+        L->n_entries = max_expert[id] + 1;
+        L->entries = calloc((size_t)L->n_entries, sizeof(Entry));
+        s->by_id[id] = L;
+        if (!L->entries) {
+            free(max_expert);
+            return coli_fail(err, n, COLI_ENOMEM, "out of memory for layer %d", id);
+        }
+    }
+    free(max_expert);
+    for (int i = 0; i < cfg->n_experts; i++) {
+        const ColiExpertSource *x = &cfg->experts[i];
+        Entry *e = &s->by_id[x->layer]->entries[x->expert];
+        if (e->present)
+            return coli_fail(err, n, COLI_ECONFIG, "layer %d expert %d is listed twice", x->layer, x->expert);
+        char what[96];
+        const ColiTensorSource *t[3] = {&x->gate, &x->up, &x->down};
+        static const char *const names[3] = {"gate", "up", "down"};
+        for (int r = 0; r < 3; r++) {
+            snprintf(what, sizeof what, "layer %d expert %d %s", x->layer, x->expert, names[r]);
+            int rc = coli_check_tensor(&s->files, t[r], what, err, n);
+            if (rc) return rc;
+        }
+        int rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
+        if (rc) return rc;
+        e->src = *x;
+        e->present = true;
+    }
+    return COLI_OK;
+}
+
+/* Decides every layer's slot count and allocates slots and arenas. */
+static int build_slots(LruStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+    uint64_t per_layer_budget = cfg->slots_per_layer ? 0 : cfg->capacity_bytes / (uint64_t)s->n_layers;
+    for (int i = 0; i < s->n_layers; i++) {
+        Layer *L = &s->layers[i];
+        uint64_t footprint = 0;
+        int present = 0;
+        for (int x = 0; x < L->n_entries; x++) {
+            if (!L->entries[x].present) continue;
+            present++;
+            if (L->entries[x].plan.footprint > footprint) footprint = L->entries[x].plan.footprint;
+        }
+        L->slot_bytes = (footprint + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
+        uint64_t slots = cfg->slots_per_layer ? cfg->slots_per_layer : per_layer_budget / L->slot_bytes;
+        if (slots == 0)
+            return coli_fail(err, n, COLI_ECONFIG,
+                             "capacity_bytes %llu is too small: layer %d needs %llu bytes for one slot "
+                             "(%llu for one slot in each of %d layers)",
+                             (unsigned long long)cfg->capacity_bytes, L->id,
+                             (unsigned long long)L->slot_bytes,
+                             (unsigned long long)L->slot_bytes * (uint64_t)s->n_layers, s->n_layers);
+        if (slots > (uint64_t)present) slots = (uint64_t)present;   /* more slots than experts is waste */
+        L->n_slots = (int)slots;
+        uint64_t arena_bytes;
+        if (__builtin_mul_overflow(L->slot_bytes, slots, &arena_bytes) || arena_bytes > SIZE_MAX)
+            return coli_fail(err, n, COLI_ENOMEM, "layer %d: %llu slots of %llu bytes overflow",
+                             L->id, (unsigned long long)slots, (unsigned long long)L->slot_bytes);
+        void *arena = NULL;
+        if (posix_memalign(&arena, COLI_IO_ALIGN, (size_t)arena_bytes) != 0)
+            return coli_fail(err, n, COLI_ENOMEM, "cannot allocate %llu bytes for the %d slots of layer %d",
+                             (unsigned long long)arena_bytes, L->n_slots, L->id);
+        L->arena = arena;
+        L->slots = calloc((size_t)L->n_slots, sizeof(Slot));
+        if (!L->slots)
+            return coli_fail(err, n, COLI_ENOMEM, "out of memory for the slots of layer %d", L->id);
+        L->list.next = L->list.prev = &L->list;
+        for (int j = 0; j < L->n_slots; j++) {
+            Slot *v = &L->slots[j];
+            v->layer = L;
+            v->mem = L->arena + (size_t)j * L->slot_bytes;
+            v->expert = -1;
+            v->state = SLOT_EMPTY;
+            v->generation = 1;    /* a zeroed view (generation 0) never matches */
+            list_push_lru(L, v);
+        }
+        int rc = init_layer_sync(L, err, n);
+        if (rc) return rc;
+    }
+    return COLI_OK;
+}
+
+int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char *err, size_t n) {
+    if (!out) return coli_fail(err, n, COLI_EINVAL, "create: out is NULL");
+    *out = NULL;
+    if (!cfg) return coli_fail(err, n, COLI_EINVAL, "create: config is NULL");
+    if (cfg->n_experts <= 0 || !cfg->experts)
+        return coli_fail(err, n, COLI_ECONFIG, "config lists no experts");
+    if (cfg->slots_per_layer == 0 && cfg->capacity_bytes == 0)
+        return coli_fail(err, n, COLI_ECONFIG, "config sets neither slots_per_layer nor capacity_bytes");
+    LruStore *s = calloc(1, sizeof(LruStore));
+    if (!s) return coli_fail(err, n, COLI_ENOMEM, "out of memory for the store");
+    s->direct = cfg->direct_io != 0;
+    s->wait_timeout_ns = cfg->slot_wait_timeout_ns;
+    int rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
+    if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
+    if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
+    if (rc == COLI_OK)
+        rc = coli_pool_start(&s->pool, cfg->prefetch_workers,
+                             cfg->prefetch_queue_depth ? cfg->prefetch_queue_depth : DEFAULT_QUEUE_DEPTH,
+                             run_prefetch, s, err, n);
+    if (rc != COLI_OK) {
+        free_store(s);
+        return rc;
+    }
+    s->base.ops = &LRU_OPS;
+    s->base.state = s;
+    *out = &s->base;
+    return COLI_OK;
+}
+
+/* ---- extras ---------------------------------------------------------- */
+
+int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns) {
+    LruStore *s = store_of(store);
+    if (!s) return COLI_EINVAL;
+    struct timespec deadline;
+    if (timeout_ns >= 0) deadline_after(&deadline, timeout_ns);
+    for (int i = 0; i < s->n_layers; i++) {
+        Layer *L = &s->layers[i];
+        if (layer >= 0 && L->id != layer) continue;
+        pthread_mutex_lock(&L->mu);
+        while (L->loading > 0) {
+            if (layer_wait(L, timeout_ns >= 0 ? &deadline : NULL) == ETIMEDOUT && L->loading > 0) {
+                pthread_mutex_unlock(&L->mu);
+                return COLI_ETIMEOUT;
+            }
+        }
+        pthread_mutex_unlock(&L->mu);
+    }
+    return COLI_OK;
+}
+
+int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
+    if (!view || !view->lease || !out) return COLI_EINVAL;
+    const ColiTensorView *t[3] = {&view->gate, &view->up, &view->down};
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (int i = 0; i < 3; i++) {
+        uintptr_t d = (uintptr_t)t[i]->data, sc = (uintptr_t)t[i]->scales;
+        if (d < lo) lo = d;
+        if (d + t[i]->data_bytes > hi) hi = d + t[i]->data_bytes;
+        if (t[i]->scales) {
+            if (sc < lo) lo = sc;
+            if (sc + t[i]->scale_bytes > hi) hi = sc + t[i]->scale_bytes;
+        }
+    }
+    out[0] = lo;
+    out[1] = hi - lo;
+    for (int i = 0; i < 3; i++) {
+        out[2 + i] = (uintptr_t)t[i]->data - lo;
+        out[5 + i] = t[i]->scales ? (uintptr_t)t[i]->scales - lo : UINT64_MAX;
+    }
+    return COLI_OK;
+}
+
+uint64_t coli_lru_active_leases(ColiExpertStore *store) {
+    LruStore *s = store_of(store);
+    return s ? atomic_load(&s->active_leases) : 0;
+}
+
+int coli_lru_layer_slots(ColiExpertStore *store, int layer) {
+    LruStore *s = store_of(store);
+    Layer *L = s ? find_layer(s, layer) : NULL;
+    return L ? L->n_slots : 0;
+}
+
+uint64_t coli_lru_slot_bytes(ColiExpertStore *store, int layer) {
+    LruStore *s = store_of(store);
+    Layer *L = s ? find_layer(s, layer) : NULL;
+    return L ? L->slot_bytes : 0;
+}
+
+void coli_lru_inject_read_fault(ColiExpertStore *store, uint64_t nth, int errno_value) {
+    LruStore *s = store_of(store);
+    if (!s) return;
+    atomic_store(&s->fault.errno_value, errno_value);
+    atomic_store(&s->fault.countdown, nth);
+}
+
+int coli_lru_direct_io_fallback(ColiExpertStore *store) {
+    LruStore *s = store_of(store);
+    return s ? s->files.direct_fallback : 0;
+}

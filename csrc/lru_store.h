@@ -1,0 +1,129 @@
+/*
+ * lru_store.h: the per-layer LRU expert store.
+ *
+ * Experts stay on disk in their safetensors shards and are read into a
+ * bounded set of RAM slots: one LRU per MoE layer, each with its own slot
+ * budget, so layers never evict each other's experts. A pool of I/O worker
+ * threads loads prefetched experts in the background.
+ *
+ * THREADS. Every function here, and every op of the ColiExpertStore it
+ * creates except destroy, is safe to call concurrently from many threads on
+ * one store. One view is never used by two threads at once. destroy must be
+ * the last call and must not race any other call.
+ *
+ * LOCK ORDER. Each layer has a mutex; the I/O pool has one. A thread may take
+ * the pool mutex while it holds one layer mutex, never the other way round,
+ * and never holds two layer mutexes at once. No lock is held during a read.
+ *
+ * ERRORS. Functions return 0 or a negative COLI_E* code; where a message
+ * buffer is passed, a failure writes a NUL-terminated message naming what
+ * and where (file, offset, errno) into it, truncated to its size.
+ */
+#ifndef COLI_LRU_STORE_H
+#define COLI_LRU_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "expert_store.h"
+
+/* Error codes: a reserved negative range (-1 is the wrappers' NULL-store code). */
+enum {
+    COLI_OK = 0,
+    COLI_EINVAL = -1,       /* NULL or malformed argument */
+    COLI_ENOTFOUND = -2,    /* no such layer or expert */
+    COLI_EFULL = -3,        /* every slot of the layer stayed leased until the timeout */
+    COLI_EIO = -4,          /* a read failed or the file was too short */
+    COLI_ENOMEM = -5,       /* an allocation failed */
+    COLI_ECONFIG = -6,      /* the configuration is inconsistent */
+    COLI_ELEASE = -7,       /* lease misuse, e.g. lookup into a view holding a lease */
+    COLI_ETHREAD = -8,      /* a thread or lock could not be created */
+    COLI_ETIMEOUT = -9      /* a wait for idle ended at its timeout */
+};
+
+/* Where one tensor's bytes are: a range of one file, plus its scales. */
+typedef struct {
+    int file;                   /* index into ColiLruConfig.files */
+    uint64_t offset;            /* absolute byte offset in the file */
+    uint64_t nbytes;            /* data length in bytes */
+    ColiTensorFormat format;
+    int64_t rows;
+    int64_t columns;
+    ColiScaleFormat scale_format;  /* COLI_SCALE_NONE: the scale fields are unused */
+    int scale_file;
+    uint64_t scale_offset;
+    uint64_t scale_nbytes;
+    uint32_t block_rows;
+    uint32_t block_columns;
+} ColiTensorSource;
+
+/* One routed expert of the model and where its three tensors are. */
+typedef struct {
+    int layer;
+    int expert;
+    ColiTensorSource gate;
+    ColiTensorSource up;
+    ColiTensorSource down;
+} ColiExpertSource;
+
+typedef struct {
+    const char *const *files;       /* paths of the model's files */
+    int n_files;
+    const ColiExpertSource *experts;
+    int n_experts;
+    uint32_t slots_per_layer;       /* > 0: slots in every layer's LRU */
+    uint64_t capacity_bytes;        /* used when slots_per_layer == 0: split evenly across layers */
+    uint32_t prefetch_workers;      /* I/O threads; 0 = no pool, prefetch accepts nothing */
+    uint32_t prefetch_queue_depth;  /* queued prefetches at most; 0 = a default */
+    int direct_io;                  /* nonzero: open files with O_DIRECT where the file system allows */
+    int64_t slot_wait_timeout_ns;   /* how long a lookup waits when every slot is leased; < 0 = forever */
+} ColiLruConfig;
+
+/* Validates config, opens its files and allocates every slot. On success
+ * *out is a store owned by the caller (free it with its destroy op) and 0 is
+ * returned; on failure *out is NULL, nothing is left open or allocated, and
+ * err holds the reason. */
+int coli_lru_store_create(const ColiLruConfig *config, ColiExpertStore **out,
+                          char *err, size_t err_len);
+
+/* The lookup op with the key as two ints and a message: on failure the view
+ * is zeroed and err says what went wrong. err may be NULL. A view that
+ * already holds a lease of this store is refused with COLI_ELEASE, and that
+ * lease is released first so that it cannot leak (rule 1). */
+int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
+                    ColiExpertView *view, char *err, size_t err_len);
+
+/* Leases a layer's experts all or nothing: on failure no lease is held, every
+ * view is zeroed and err names the expert that failed. */
+int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
+                         int count, ColiExpertView *views, char *err,
+                         size_t err_len);
+
+/* Waits until no load is queued or in flight in layer (layer < 0: in any
+ * layer), at most timeout_ns (< 0: forever). Returns 0 or COLI_ETIMEOUT. */
+int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns);
+
+/* For bindings: where a leased view's bytes are, in one call. out[0] is the
+ * lowest address of any tensor or scale, out[1] the bytes from there to the
+ * end of the highest; out[2..4] are the offsets of gate, up and down data from
+ * out[0], out[5..7] of their scales (UINT64_MAX when unscaled). Returns
+ * COLI_EINVAL (out untouched) for a view that holds no lease. */
+int coli_view_layout(const ColiExpertView *view, uint64_t out[8]);
+
+/* Leases held now, over all layers. */
+uint64_t coli_lru_active_leases(ColiExpertStore *store);
+
+/* Slots in layer's LRU and bytes per slot; both 0 for a layer without experts. */
+int coli_lru_layer_slots(ColiExpertStore *store, int layer);
+uint64_t coli_lru_slot_bytes(ColiExpertStore *store, int layer);
+
+/* Test hook: the nth read from now (1 = the next) fails with errno_value.
+ * n = 0 disarms. Reads are counted across all threads of this store. */
+void coli_lru_inject_read_fault(ColiExpertStore *store, uint64_t nth,
+                                int errno_value);
+
+/* Nonzero when the store was built with direct_io and O_DIRECT was refused
+ * by the file system, so reads go through the page cache. */
+int coli_lru_direct_io_fallback(ColiExpertStore *store);
+
+#endif /* COLI_LRU_STORE_H */

@@ -1,0 +1,178 @@
+"""Shared test setup: hypothesis profiles, synthetic models, expected bytes.
+
+Hypothesis profile, chosen by ``COLIBRI_HYPOTHESIS_PROFILE``:
+
+    dev   (default)  quick: 30 examples, no deadline
+    ci               100 examples, no deadline, too_slow health check off
+    fuzz             2000 examples, no deadline
+
+Synthetic models built here are session-scoped and shared: tests must not
+modify their files. A test that damages a file builds its own model in its
+own ``tmp_path`` (see ``fresh_model``).
+
+The helpers below are plain functions too, importable as ``from conftest
+import ...`` (this directory is put on ``sys.path`` so that works under every
+pytest import mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from colibri.synthetic import SyntheticModel, write_synthetic_model  # noqa: E402
+
+settings.register_profile("dev", max_examples=30, deadline=None)
+settings.register_profile(
+    "ci",
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "fuzz",
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("COLIBRI_HYPOTHESIS_PROFILE", "dev"))
+
+ROLES = ("gate", "up", "down")
+
+
+# ---------------------------------------------------------------------------
+# plain helpers
+
+
+def load_all_tensors(model: SyntheticModel) -> dict[str, np.ndarray]:
+    """Every tensor of the model, read with safetensors.numpy.load_file."""
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in model.files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+_EXPECTED_CACHE: dict[Path, dict] = {}
+
+
+def expected_experts(model: SyntheticModel) -> dict[tuple[int, int], dict[str, np.ndarray]]:
+    """``{(layer, expert): {"gate": array, "up": array, "down": array}}`` from the files.
+
+    Cached per model directory; only for models whose files never change.
+    """
+    key = Path(model.path).resolve()
+    cached = _EXPECTED_CACHE.get(key)
+    if cached is None:
+        tensors = load_all_tensors(model)
+        cached = {
+            (layer, expert): {role: tensors[name] for role, name in model.tensor_names(layer, expert).items()}
+            for layer, expert in model.keys()
+        }
+        _EXPECTED_CACHE[key] = cached
+    return cached
+
+
+def expert_digests(model: SyntheticModel) -> dict[tuple[int, int], tuple[bytes, bytes, bytes]]:
+    """blake2b digests of (gate, up, down) bytes per expert, from the files."""
+    return {
+        key: tuple(hashlib.blake2b(parts[role].tobytes()).digest() for role in ROLES)
+        for key, parts in expected_experts(model).items()
+    }
+
+
+def lease_digests(ex) -> tuple[bytes, bytes, bytes]:
+    return tuple(hashlib.blake2b(getattr(ex, role).tobytes()).digest() for role in ROLES)
+
+
+def assert_expert_matches(ex, expected: dict[str, np.ndarray]) -> None:
+    """The leased arrays equal the file's tensors: dtype, shape and every byte."""
+    for role in ROLES:
+        got = getattr(ex, role)
+        want = expected[role]
+        assert isinstance(got, np.ndarray), f"{role}: {type(got)!r} is not a numpy array"
+        assert got.dtype == want.dtype, f"{role}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"{role}: shape {got.shape} != {want.shape}"
+        assert got.tobytes() == want.tobytes(), f"{role} of {ex.key}: bytes differ from the file"
+
+
+def safetensors_header(path) -> tuple[int, dict]:
+    """(data start offset, parsed header) of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return 8 + n, header
+
+
+def tensor_ranges(model: SyntheticModel) -> dict[str, tuple[Path, int, int]]:
+    """name -> (file, absolute begin, absolute end) for every tensor of the model."""
+    out: dict[str, tuple[Path, int, int]] = {}
+    for f in model.files:
+        start, header = safetensors_header(f)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            out[name] = (Path(f), start + begin, start + end)
+    return out
+
+
+def make_model(directory, **kwargs) -> SyntheticModel:
+    return write_synthetic_model(directory, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """``model_factory(**kwargs)``: a shared read-only synthetic model, one per kwargs."""
+    cache: dict[tuple, SyntheticModel] = {}
+
+    def build(**kwargs) -> SyntheticModel:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            directory = tmp_path_factory.mktemp("model")
+            cache[key] = write_synthetic_model(directory, **kwargs)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def small_model(model_factory) -> SyntheticModel:
+    """4 decoder layers (layer 0 dense), 3 MoE layers x 8 experts, f32 64x32."""
+    return model_factory(layout="mixtral", n_layers=4, n_experts=8, dense_layers=1, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory) -> SyntheticModel:
+    """2 MoE layers (1 and 2) x 6 experts of 16x8 f32, for many-step hypothesis tests."""
+    return model_factory(
+        layout="mlp_experts", n_layers=3, n_experts=6, hidden=16, intermediate=8,
+        dense_layers=1, dtype="float32",
+    )
+
+
+@pytest.fixture
+def fresh_model(tmp_path) -> SyntheticModel:
+    """A model of this test's own, in its tmp_path: the test may damage its files."""
+    return write_synthetic_model(tmp_path / "model", n_layers=3, n_experts=6, dense_layers=1, seed=7)
+
+
+@pytest.fixture
+def expected():
+    """``expected(model)`` -> expected expert tensors, as in :func:`expected_experts`."""
+    return expected_experts
