@@ -311,6 +311,7 @@ class Store:
         layer = operator.index(layer)
         wanted = [operator.index(e) for e in experts]
         if not wanted:
+            self.num_experts(layer)  # closed store or unknown layer raise even for no experts
             return LeaseGroup(())
         for e in (layer, *wanted):
             if not -_INT_MAX <= e <= _INT_MAX:

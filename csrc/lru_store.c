@@ -314,9 +314,18 @@ static bool release_locked(LruStore *s, Layer *L, ColiExpertView *view);
 
 /* ---- ops ------------------------------------------------------------- */
 
+/* The lookup. With may_wait_full false, a layer whose slots are all leased
+ * fails at once with COLI_EFULL (lookup_many then backs off and retries). */
+static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
+                       bool may_wait_full, char *err, size_t n);
+
 int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
                     ColiExpertView *view, char *err, size_t n) {
-    LruStore *s = store_of(store);
+    return lookup_impl(store_of(store), layer, expert, view, true, err, n);
+}
+
+static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
+                       bool may_wait_full, char *err, size_t n) {
     if (!view) return coli_fail(err, n, COLI_EINVAL, "lookup of layer %d expert %d: view is NULL", layer, expert);
     if (!s) {
         memset(view, 0, sizeof(*view));
@@ -392,6 +401,10 @@ int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
             continue;
         }
         /* Every slot is leased: wait for a release, up to the timeout. */
+        if (!may_wait_full) {
+            pthread_mutex_unlock(&L->mu);
+            return COLI_EFULL;
+        }
         if (!full_wait) {
             full_wait = true;
             L->c.slot_waits++;
@@ -443,35 +456,178 @@ static void lru_release_op(ColiExpertStore *store, ColiExpertView *view) {
     pthread_mutex_unlock(&L->mu);
 }
 
+/* Drops one lease of resident slot v. Caller holds L->mu. */
+static void unlease_locked(LruStore *s, Layer *L, Slot *v) {
+    v->leases--;
+    atomic_fetch_sub(&s->active_leases, 1);
+    if (v->leases == 0) {
+        list_push_mru(L, v);
+        wake(L);
+    }
+}
+
 int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
                          int count, ColiExpertView *views, char *err, size_t n) {
     LruStore *s = store_of(store);
     if (!s || count < 0 || (count > 0 && (!experts || !views)))
         return coli_fail(err, n, COLI_EINVAL, "lookup_many: bad arguments");
     memset(views, 0, sizeof(*views) * (size_t)count);
+    if (count == 0) return COLI_OK;
     Layer *L = find_layer(s, layer);
     if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
-    int distinct = 0;
-    for (int i = 0; i < count; i++) {
-        if (!find_entry(L, experts[i]))
-            return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no expert %d (experts 0..%d)",
-                             layer, experts[i], L->n_entries - 1);
-        bool seen = false;
-        for (int j = 0; j < i && !seen; j++) seen = experts[j] == experts[i];
-        distinct += !seen;
+    /* first[i]: index of the first occurrence of experts[i] */
+    int *first = malloc(sizeof(int) * (size_t)count);
+    Slot **reading = malloc(sizeof(Slot *) * (size_t)count);
+    if (!first || !reading) {
+        free(first);
+        free(reading);
+        return coli_fail(err, n, COLI_ENOMEM, "lookup_many: out of memory for %d experts", count);
     }
-    if (distinct > L->n_slots)
-        return coli_fail(err, n, COLI_EFULL,
-                         "cache full: %d distinct experts asked of layer %d, which has %d slots",
-                         distinct, layer, L->n_slots);
-    for (int i = 0; i < count; i++) {
-        int rc = coli_lru_lookup(store, layer, experts[i], &views[i], err, n);
-        if (rc != COLI_OK) {
-            for (int j = 0; j < i; j++) coli_expert_release(store, &views[j]);
-            return rc;
+    int distinct = 0, rc = COLI_OK;
+    for (int i = 0; i < count && rc == COLI_OK; i++) {
+        if (!find_entry(L, experts[i]))
+            rc = coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no expert %d (experts 0..%d)",
+                           layer, experts[i], L->n_entries - 1);
+        first[i] = i;
+        for (int j = 0; j < i; j++)
+            if (experts[j] == experts[i]) { first[i] = j; break; }
+        distinct += first[i] == i;
+    }
+    if (rc == COLI_OK && distinct > L->n_slots)
+        rc = coli_fail(err, n, COLI_EFULL,
+                       "cache full: %d distinct experts asked of layer %d, which has %d slots",
+                       distinct, layer, L->n_slots);
+    if (rc != COLI_OK) {
+        free(first);
+        free(reading);
+        return rc;
+    }
+
+    /* Never hold a lease while waiting for a release (two batches could each
+     * hold what the other needs): wait until the whole batch fits, then take
+     * every slot at once, then read the missing experts. */
+    pthread_mutex_lock(&L->mu);
+    bool full_wait = false, joined = false;
+    struct timespec deadline;
+    for (;;) {
+        int missing = 0;
+        bool in_flight = false;
+        for (int i = 0; i < count; i++) {
+            if (first[i] != i) continue;
+            Slot *v = L->entries[experts[i]].slot;
+            if (!v) missing++;
+            else if (v->state == SLOT_READING) in_flight = true;
+        }
+        if (in_flight) {          /* join a load of ours first, holding nothing */
+            if (!joined) L->c.inflight_joins++;
+            joined = true;
+            layer_wait(L, NULL);
+            continue;
+        }
+        /* Slots the batch may take: evictable ones except those holding its
+         * own resident experts, plus other experts' queued prefetches. */
+        int room = 0;
+        for (int j = 0; j < L->n_slots; j++) {
+            Slot *v = &L->slots[j];
+            bool ours = false;
+            for (int i = 0; i < count && !ours && v->state == SLOT_RESIDENT; i++) ours = v->expert == experts[i];
+            if (v->state == SLOT_QUEUED) {
+                for (int i = 0; i < count && !ours; i++) ours = v->expert == experts[i];
+                room += !ours;
+            } else if (v->on_list && !ours) {
+                room++;
+            }
+        }
+        if (missing <= room) break;
+        if (L->loading > 0) {     /* a load ends soon and fills or frees a slot */
+            layer_wait(L, NULL);
+            continue;
+        }
+        if (!full_wait) {
+            full_wait = true;
+            L->c.slot_waits++;
+            if (s->wait_timeout_ns >= 0) deadline_after(&deadline, s->wait_timeout_ns);
+        }
+        if (layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL) == ETIMEDOUT) {
+            L->c.requests += (uint64_t)count;
+            pthread_mutex_unlock(&L->mu);
+            free(first);
+            free(reading);
+            return coli_fail(err, n, COLI_EFULL,
+                             "cache full: %d experts of layer %d could not be leased together: its %d "
+                             "slots stayed leased for %.3f s", count, layer, L->n_slots,
+                             (double)s->wait_timeout_ns / 1e9);
         }
     }
-    return COLI_OK;
+
+    /* Commit in three passes: resident experts leave the list, then our
+     * queued prefetches are taken over, and only then are victims chosen,
+     * so a victim is never one of the batch's own experts. */
+    int n_reading = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        for (int i = 0; i < count; i++) {
+            if (first[i] != i) continue;
+            Entry *e = &L->entries[experts[i]];
+            Slot *v = e->slot;
+            if (pass == 0) {
+                if (v && v->state == SLOT_RESIDENT) lease_hit(s, L, v, &views[i]);
+                continue;
+            }
+            if (v ? v->state != SLOT_QUEUED || pass != 1 : pass != 2) continue;
+            L->c.requests++;
+            if (v) {              /* QUEUED: take the prefetch over */
+                v->state = SLOT_READING;
+                L->queued--;
+                L->c.hits++;
+                L->c.inflight_joins++;
+                L->c.prefetch_hits++;
+                v->prefetched = false;
+            } else {
+                Slot *victim = list_victim(L);
+                if (!victim) {
+                    victim = queued_slot(L);
+                    cancel_queued(s, L, victim);
+                }
+                repurpose(s, L, victim, e, experts[i], SLOT_READING);
+                L->c.misses++;
+                v = victim;
+            }
+            reading[n_reading++] = v;
+        }
+    }
+    for (int k = 0; k < n_reading; k++) {
+        Slot *v = reading[k];
+        Entry *e = &L->entries[v->expert];
+        uint64_t nread = 0;
+        char local[ERRLEN];
+        pthread_mutex_unlock(&L->mu);
+        int r = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &nread,
+                                 rc == COLI_OK ? err : local, rc == COLI_OK ? n : sizeof local);
+        pthread_mutex_lock(&L->mu);
+        finish_load(s, L, v, r == COLI_OK, nread, r == COLI_OK ? 1 : 0);
+        if (r != COLI_OK && rc == COLI_OK) rc = r;
+        reading[k] = r == COLI_OK ? v : NULL;
+    }
+    if (rc != COLI_OK) {          /* all or nothing: give back what we hold */
+        for (int i = 0; i < count; i++)
+            if (first[i] == i && views[i].lease) unlease_locked(s, L, views[i].lease);
+        for (int k = 0; k < n_reading; k++)
+            if (reading[k]) unlease_locked(s, L, reading[k]);
+        memset(views, 0, sizeof(*views) * (size_t)count);
+    } else {
+        for (int i = 0; i < count; i++) {
+            Slot *v = L->entries[experts[i]].slot;
+            if (first[i] == i) {
+                if (!views[i].lease) fill_view(&views[i], L, v);
+            } else {
+                lease_hit(s, L, v, &views[i]);   /* a repeated expert: one more lease */
+            }
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    free(first);
+    free(reading);
+    return rc;
 }
 
 /* Worker side of prefetch: reads a QUEUED slot unless it was taken over. */
@@ -506,6 +662,9 @@ static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, in
         if (!e) continue;
         pthread_mutex_lock(&L->mu);
         Slot *v = e->slot ? NULL : list_victim(L);
+        /* An unhit prefetch at the LRU end means only unhit prefetches are
+         * left to evict: taking one would let a batch undo itself. */
+        if (v && v->prefetched) v = NULL;
         /* Post with the generation repurpose() is about to give the slot; a
          * worker that pops it first blocks on L->mu until we are done. */
         if (v && coli_pool_post(&s->pool, (ColiJob){v, v->generation + 1})) {

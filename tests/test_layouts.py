@@ -436,6 +436,9 @@ def test_no_routed_experts(tmp_path: Path) -> None:
     scan_error(tmp_path, dense, "no routed experts", "mixtral", "mlp_experts", "bad.safetensors")
     scan_error(tmp_path, moe_tensors("mixtral", [0], 2), "'mlp_experts'", "matches no",
                layout="mlp_experts")
+    save_sharded(tmp_path / "sharded", dense, 3)
+    with pytest.raises(FormatError, match="and 2 more files"):
+        scan_model(tmp_path / "sharded")
 
 
 def test_ambiguous_and_unknown_layout(tmp_path: Path) -> None:
@@ -585,6 +588,8 @@ def test_model_experts_api(tmp_path: Path) -> None:
     assert [t.name for t in ex.tensors()] == [ex.gate.name, ex.up.name, ex.down.name]
     with pytest.raises(KeyError):
         ex.weight("w1")
+    with pytest.raises(KeyError):
+        ex.scale("w1")
     with pytest.raises(Exception):
         ex.gate = ex.up  # type: ignore[misc]
 

@@ -641,3 +641,14 @@ def test_bad_shard_is_reported_with_its_path(tmp_path: Path) -> None:
     with pytest.raises(FormatError) as info:
         read_model_tensors(root)
     assert str(broken) in str(info.value)
+
+
+def test_special_files(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)  # opening it for reading would block: we must not
+    expect_error(fifo, "not a regular file")
+    resolve_error(fifo, "not a regular file")
+    model = tmp_path / "m"
+    small_file(model / "model.safetensors")
+    (model / INDEX_NAME).mkdir()
+    resolve_error(model, INDEX_NAME, "cannot read")

@@ -326,6 +326,9 @@ def test_close_with_active_leases_refuses_and_stays_usable(small_model):
 CLOSED_CALLS = {
     "lease": lambda s: s.lease(1, 0),
     "lease_many": lambda s: s.lease_many(1, [0, 1]),
+    "lease_many_empty": lambda s: s.lease_many(1, []),
+    "prefetch_empty": lambda s: s.prefetch([]),
+    "inject_read_fault": lambda s: s._inject_read_fault(0, 0),
     "prefetch": lambda s: s.prefetch([(1, 0)]),
     "stats": lambda s: s.stats(),
     "wait_idle": lambda s: s.wait_idle(),
