@@ -142,13 +142,17 @@ class Goals:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
 
-    def check(self, goal: str, value: float, target: str, met: bool, detail: str = "") -> bool:
-        self.items.append({"goal": goal, "value": value, "target": target, "met": bool(met), "detail": detail})
+    def check(self, goal: str, value: float, target: str, met: bool, detail: str = "",
+              info: bool = False) -> bool:
+        """Records one goal; ``info`` marks a context line that is not an issue-6 goal."""
+        self.items.append({"goal": goal, "value": value, "target": target, "met": bool(met),
+                           "detail": detail, "info": info})
         return bool(met)
 
     def render(self, title: str = "issue-6 goals") -> str:
         rows = [
-            (g["goal"], g["detail"] or f"{g['value']:.3g}", g["target"], "met" if g["met"] else "MISSED")
+            (g["goal"], g["detail"] or f"{g['value']:.3g}", g["target"],
+             ("(info) " if g.get("info") else "") + ("met" if g["met"] else "MISSED"))
             for g in self.items
         ]
         return table(title, ("goal", "measured", "target", "status"), rows)

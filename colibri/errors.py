@@ -63,6 +63,7 @@ _BY_CODE: dict[int, type[ColibriError]] = {
     -6: FormatError,
     -7: LeaseError,
     -9: WaitTimeoutError,
+    -10: StoreClosedError,
 }
 
 

@@ -39,6 +39,7 @@ log = logging.getLogger("colibri")
 
 DEFAULT_SLOTS_PER_LAYER = 8
 _ERR_LEN = 512
+_VIEW_POOL = 256  # released views kept for reuse, per store
 _INT_MAX = 2**31 - 1
 _ROLES = ("gate", "up", "down")
 
@@ -74,29 +75,20 @@ class ExpertLease:
 
     Use it as a context manager; leaving the block releases it. ``release()``
     does the same explicitly; releasing twice is a :class:`LeaseError`.
+    A lease belongs to one thread at a time.
     """
 
-    __slots__ = ("_store", "layer", "expert", "_memory", "_offsets", "_arrays", "_released", "_ended")
+    __slots__ = ("_store", "layer", "expert", "_view", "_keepalive", "_memory", "_offsets",
+                 "_arrays", "_released", "_ended")
 
     def __init__(self, store: "Store", layer: int, expert: int, view: Any, keepalive: Any) -> None:
         self._store = store
         self.layer = layer
         self.expert = expert
+        self._view = view
+        self._keepalive = keepalive
         self._released = False
-        self._arrays: dict[str, np.ndarray | None] = {}
-        layout = store._buffers.layout
-        lib.coli_view_layout(view, layout)
-        base, span, *self._offsets = ffi.unpack(layout, 8)
-        ended = self._ended = [False]   # set once the C lease is really gone
-
-        def end_lease(_ptr: Any) -> None:
-            store._release_view(view, keepalive)
-            ended[0] = True
-
-        # The C lease ends when this anchor dies: after release() drops our
-        # reference and the last array built over `_memory` is gone.
-        anchor = ffi.gc(ffi.cast("char *", base), end_lease)
-        self._memory = memoryview(ffi.buffer(anchor, span)).toreadonly()
+        self._memory: memoryview | None = None   # made with the first array
 
     @property
     def key(self) -> tuple[int, int]:
@@ -106,12 +98,36 @@ class ExpertLease:
     def released(self) -> bool:
         return self._released
 
+    def _anchor_memory(self) -> memoryview:
+        """The slot's bytes as a read-only memoryview that owns the C lease.
+
+        From here the C lease ends when an anchor dies: after release() drops
+        our reference and after the last array built over the memory is gone.
+        """
+        store, view, keepalive = self._store, self._view, self._keepalive
+        layout = store._buffers.layout
+        lib.coli_view_layout(view, layout)
+        base, span, *self._offsets = ffi.unpack(layout, 8)
+        ended = self._ended = [False]
+
+        def end_lease(_ptr: Any) -> None:
+            store._release(view, keepalive)
+            ended[0] = True
+
+        anchor = ffi.gc(ffi.cast("char *", base), end_lease)
+        self._arrays = {}
+        memory = self._memory = memoryview(ffi.buffer(anchor, span)).toreadonly()
+        return memory
+
     def _array(self, name: str) -> np.ndarray | None:
+        if self._released:
+            raise LeaseError(f"layer {self.layer} expert {self.expert}: .{name} used after its lease was released")
+        memory = self._memory
+        if memory is None:
+            memory = self._anchor_memory()
         arrays = self._arrays
         if name in arrays:
             return arrays[name]
-        if self._released:
-            raise LeaseError(f"layer {self.layer} expert {self.expert}: .{name} used after its lease was released")
         i = _PART_NAMES.index(name)
         part = self._store._arrays[self.layer].parts[i]
         arr = None
@@ -120,7 +136,7 @@ class ExpertLease:
             # cannot be flipped back to writeable (np.ndarray(buffer=) would
             # expose the writable cffi buffer underneath).
             dtype, shape = part
-            arr = np.frombuffer(self._memory, dtype=dtype, count=shape[0] * shape[1], offset=self._offsets[i])
+            arr = np.frombuffer(memory, dtype=dtype, count=shape[0] * shape[1], offset=self._offsets[i])
             arr.shape = shape
         arrays[name] = arr
         return arr
@@ -159,8 +175,11 @@ class ExpertLease:
         if self._released:
             raise LeaseError(f"lease of layer {self.layer} expert {self.expert} was already released")
         self._released = True
+        if self._memory is None:           # no array was ever made: end it now
+            self._store._release(self._view, self._keepalive)
+            return
         self._arrays.clear()
-        del self._memory
+        self._memory = None
         # With our references gone, refcounting ends the C lease right here
         # unless an array (or a view of one) outlives the lease.
         if not self._ended[0]:
@@ -217,10 +236,9 @@ class Store:
         prefetch_queue_depth: int = 0,
     ) -> None:
         self.model = model
-        self._mutex = threading.Lock()   # guards _closed and _calls
         self._closed = False
-        self._calls = 0                  # C calls in progress; close waits for none
         self._buffers = _ThreadBuffers()
+        self._free_views: list[Any] = []  # released views, reused by lease()
         self._arrays = {layer: _layer_arrays(model, layer) for layer in model.layers}
         self._handle = _create_handle(
             model,
@@ -235,18 +253,6 @@ class Store:
         self.prefetch_workers = prefetch_workers
         if direct_io and lib.coli_lru_direct_io_fallback(self._handle):
             log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
-
-    # -- call bracketing: close() must never free the C store under a call --
-
-    def _enter(self) -> None:
-        with self._mutex:
-            if self._closed:
-                raise StoreClosedError("the store is closed")
-            self._calls += 1
-
-    def _leave(self) -> None:
-        with self._mutex:
-            self._calls -= 1
 
     # -- model facts --
 
@@ -267,12 +273,8 @@ class Store:
 
     def slots(self, layer: int) -> int:
         """Slots in ``layer``'s LRU."""
-        self.model.num_experts(layer)
-        self._enter()
-        try:
-            return int(lib.coli_lru_layer_slots(self._handle, layer))
-        finally:
-            self._leave()
+        self.num_experts(layer)
+        return int(lib.coli_lru_layer_slots(self._handle, layer))
 
     @property
     def closed(self) -> bool:
@@ -281,29 +283,28 @@ class Store:
     @property
     def active_leases(self) -> int:
         """C leases held now, including those kept alive by surviving arrays."""
-        self._enter()
-        try:
-            return int(lib.coli_lru_active_leases(self._handle))
-        finally:
-            self._leave()
+        self._check_open()
+        return int(lib.coli_lru_active_leases(self._handle))
 
     # -- leases --
 
     def lease(self, layer: int, expert: int) -> ExpertLease:
         """Lease one expert (blocking on a miss). Use as a context manager."""
-        layer, expert = operator.index(layer), operator.index(expert)
-        view = ffi.new("ColiExpertView *")
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        if type(layer) is not int or type(expert) is not int:
+            layer, expert = operator.index(layer), operator.index(expert)
+        if not (-_INT_MAX <= layer <= _INT_MAX and -_INT_MAX <= expert <= _INT_MAX):
+            raise UnknownExpertError(f"layer {layer} has no expert {expert}")
+        views = self._free_views
+        view = views.pop() if views else ffi.new("ColiExpertView *")
         err = self._buffers.err
-        self._enter()
-        try:
-            if not (-_INT_MAX <= layer <= _INT_MAX and -_INT_MAX <= expert <= _INT_MAX):
-                raise UnknownExpertError(f"layer {layer} has no expert {expert}")
-            rc = lib.coli_lru_lookup(self._handle, layer, expert, view, err, _ERR_LEN)
+        # The C call releases the GIL; from its success on the lease is ours.
+        rc = lib.coli_lru_lookup(self._handle, layer, expert, view, err, _ERR_LEN)
+        if rc:
+            views.append(view)  # a failed lookup leaves the view zeroed
             _check(rc, err)
-            # From here the C lease is ours; ExpertLease ties its end to the arrays.
-            return ExpertLease(self, layer, expert, view, None)
-        finally:
-            self._leave()
+        return ExpertLease(self, layer, expert, view, None)
 
     def lease_many(self, layer: int, experts: Iterable[int]) -> LeaseGroup:
         """Lease several experts of one layer, all or nothing, in the given
@@ -313,31 +314,21 @@ class Store:
         if not wanted:
             self.num_experts(layer)  # closed store or unknown layer raise even for no experts
             return LeaseGroup(())
+        self._check_open()
         for e in (layer, *wanted):
             if not -_INT_MAX <= e <= _INT_MAX:
                 raise UnknownExpertError(f"layer {layer} has no expert {e}")
         views = ffi.new("ColiExpertView[]", len(wanted))
         ids = ffi.new("int[]", wanted)
         err = self._buffers.err
-        self._enter()
-        try:
-            rc = lib.coli_lru_lookup_many(self._handle, layer, ids, len(wanted), views, err, _ERR_LEN)
-            _check(rc, err)
-            return LeaseGroup(
-                ExpertLease(self, layer, e, views + i, views) for i, e in enumerate(wanted)
-            )
-        finally:
-            self._leave()
+        _check(lib.coli_lru_lookup_many(self._handle, layer, ids, len(wanted), views, err, _ERR_LEN), err)
+        return LeaseGroup(ExpertLease(self, layer, e, views + i, views) for i, e in enumerate(wanted))
 
-    def _release_view(self, view: Any, keepalive: Any) -> None:
-        """Ends the C lease of view; runs when a lease's anchor dies."""
-        del keepalive  # held only so a lease_many view array outlives its leases
-        with self._mutex:
-            self._calls += 1
-        try:
-            lib.coli_expert_release(self._handle, view)
-        finally:
-            self._leave()
+    def _release(self, view: Any, keepalive: Any) -> None:
+        """Ends the C lease of view (from release(), or when its anchor dies)."""
+        lib.coli_expert_release(self._handle, view)  # zeroes the view
+        if keepalive is None and len(self._free_views) < _VIEW_POOL:
+            self._free_views.append(view)
 
     # -- prefetch --
 
@@ -348,6 +339,7 @@ class Store:
         already resident or loading, unknown keys, or no free slot or queue
         room). It holds no lease and never evicts a leased or loading slot.
         """
+        self._check_open()
         clean: list[tuple[int, int]] = []
         for key in keys:
             try:
@@ -357,29 +349,19 @@ class Store:
             if 0 <= layer <= _INT_MAX and 0 <= expert <= _INT_MAX:
                 clean.append((layer, expert))
         if not clean:
-            self._enter()
-            self._leave()
             return 0
-        arr = ffi.new("ColiExpertKey[]", clean)
-        self._enter()
-        try:
-            return int(self._ops.prefetch(self._handle, arr, len(clean)))
-        finally:
-            self._leave()
+        return int(self._ops.prefetch(self._handle, ffi.new("ColiExpertKey[]", clean), len(clean)))
 
     def wait_idle(self, layer: int | None = None, timeout: float | None = None) -> None:
         """Wait until no load is queued or in flight (in ``layer``, or anywhere).
 
         Raises WaitTimeoutError if that takes longer than ``timeout`` seconds.
         """
+        self._check_open()
         if layer is not None:
             self.model.num_experts(layer)
         ns = -1 if timeout is None else max(0, int(timeout * 1e9))
-        self._enter()
-        try:
-            rc = lib.coli_lru_wait_idle(self._handle, -1 if layer is None else layer, ns)
-        finally:
-            self._leave()
+        rc = lib.coli_lru_wait_idle(self._handle, -1 if layer is None else layer, ns)
         if rc != 0:
             where = "the store" if layer is None else f"layer {layer}"
             raise error_for(rc, f"loads in {where} still running after {timeout} s")
@@ -388,37 +370,24 @@ class Store:
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""
+        self._check_open()
         out = ffi.new("ColiExpertStoreStats *")
-        self._enter()
-        try:
-            self._ops.stats(self._handle, out)
-        finally:
-            self._leave()
+        self._ops.stats(self._handle, out)
         return StoreStats.from_c(out)
 
     def _inject_read_fault(self, nth: int, errno_value: int) -> None:
         """Test hook: make the nth read from now fail with errno_value (0 disarms)."""
-        self._enter()
-        try:
-            lib.coli_lru_inject_read_fault(self._handle, nth, errno_value)
-        finally:
-            self._leave()
+        self._check_open()
+        lib.coli_lru_inject_read_fault(self._handle, nth, errno_value)
 
     def close(self) -> None:
-        """Free the cache. Refuses (LeaseError) while leases are held; a second
-        close does nothing."""
-        with self._mutex:
-            if self._closed:
-                return
-            held = int(lib.coli_lru_active_leases(self._handle))
-            if held or self._calls:
-                raise LeaseError(
-                    f"cannot close the store: {held} leases are still held "
-                    "(release them and delete arrays kept from them)"
-                    if held else "cannot close the store while another thread is inside a call"
-                )
-            self._closed = True
-        ffi.release(self._handle)  # runs _destroy_handle now
+        """Free the cache memory. Refuses (LeaseError) while leases are held
+        or another thread is inside a lookup; a second close does nothing."""
+        if self._closed:
+            return
+        err = self._buffers.err
+        _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
+        self._closed = True
 
     def __enter__(self) -> "Store":
         return self

@@ -111,6 +111,8 @@ typedef struct {
     _Atomic uint64_t inflight;    /* loads QUEUED or READING, all layers */
     _Atomic uint64_t peak_inflight;
     _Atomic uint64_t active_leases;
+    _Atomic uint64_t calls;       /* lookups and prefetches in progress */
+    _Atomic int closed;           /* set by coli_lru_close: slot memory is gone */
 } LruStore;
 
 static const ColiExpertStoreOps LRU_OPS;
@@ -152,6 +154,18 @@ static Slot *list_victim(Layer *L) {
 static LruStore *store_of(ColiExpertStore *store) {
     return (store && store->ops == &LRU_OPS) ? (LruStore *)store->state : NULL;
 }
+
+/* Brackets a call that touches slot memory or the pool, against close().
+ * Both sides write their flag then read the other's (sequentially
+ * consistent), so either close sees the call or the call sees close. */
+static bool call_enter(LruStore *s) {
+    atomic_fetch_add(&s->calls, 1);
+    if (!atomic_load(&s->closed)) return true;
+    atomic_fetch_sub(&s->calls, 1);
+    return false;
+}
+
+static void call_leave(LruStore *s) { atomic_fetch_sub(&s->calls, 1); }
 
 static Layer *find_layer(LruStore *s, int layer) {
     return (layer >= 0 && layer <= s->max_id) ? s->by_id[layer] : NULL;
@@ -321,8 +335,17 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
 
 int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
                     ColiExpertView *view, char *err, size_t n) {
-    return lookup_impl(store_of(store), layer, expert, view, true, err, n);
+    LruStore *s = store_of(store);
+    if (s && !call_enter(s)) {
+        if (view) memset(view, 0, sizeof(*view));
+        return coli_fail(err, n, COLI_ECLOSED, "lookup of layer %d expert %d: the store is closed",
+                         layer, expert);
+    }
+    int rc = lookup_impl(s, layer, expert, view, true, err, n);
+    if (s) call_leave(s);
+    return rc;
 }
+
 
 static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
                        bool may_wait_full, char *err, size_t n) {
@@ -466,9 +489,8 @@ static void unlease_locked(LruStore *s, Layer *L, Slot *v) {
     }
 }
 
-int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
-                         int count, ColiExpertView *views, char *err, size_t n) {
-    LruStore *s = store_of(store);
+static int lookup_many_impl(LruStore *s, int layer, const int *experts,
+                            int count, ColiExpertView *views, char *err, size_t n) {
     if (!s || count < 0 || (count > 0 && (!experts || !views)))
         return coli_fail(err, n, COLI_EINVAL, "lookup_many: bad arguments");
     memset(views, 0, sizeof(*views) * (size_t)count);
@@ -630,6 +652,18 @@ int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
     return rc;
 }
 
+int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
+                         int count, ColiExpertView *views, char *err, size_t n) {
+    LruStore *s = store_of(store);
+    if (s && !call_enter(s)) {
+        if (views && count > 0) memset(views, 0, sizeof(*views) * (size_t)count);
+        return coli_fail(err, n, COLI_ECLOSED, "lookup_many of layer %d: the store is closed", layer);
+    }
+    int rc = lookup_many_impl(s, layer, experts, count, views, err, n);
+    if (s) call_leave(s);
+    return rc;
+}
+
 /* Worker side of prefetch: reads a QUEUED slot unless it was taken over. */
 static void run_prefetch(void *ctx, ColiJob job) {
     LruStore *s = ctx;
@@ -654,7 +688,7 @@ static void run_prefetch(void *ctx, ColiJob job) {
 
 static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count) {
     LruStore *s = store_of(store);
-    if (!s || !keys || count <= 0 || s->pool.n_threads == 0) return 0;
+    if (!s || !keys || count <= 0 || s->pool.n_threads == 0 || !call_enter(s)) return 0;
     int accepted = 0;
     for (int i = 0; i < count; i++) {
         Layer *L = find_layer(s, keys[i].layer);
@@ -674,6 +708,7 @@ static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, in
         }
         pthread_mutex_unlock(&L->mu);
     }
+    call_leave(s);
     return accepted;
 }
 
@@ -899,6 +934,34 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
 }
 
 /* ---- extras ---------------------------------------------------------- */
+
+int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
+    LruStore *s = store_of(store);
+    if (!s) return coli_fail(err, n, COLI_EINVAL, "close: not an LRU expert store");
+    if (atomic_exchange(&s->closed, 1)) return COLI_OK;   /* closed already */
+    uint64_t calls = atomic_load(&s->calls), leases = atomic_load(&s->active_leases);
+    if (calls || leases) {
+        atomic_store(&s->closed, 0);
+        return leases ? coli_fail(err, n, COLI_ELEASE,
+                                  "cannot close the store: %llu leases are still held (release them, "
+                                  "and delete arrays kept from them)", (unsigned long long)leases)
+                      : coli_fail(err, n, COLI_ELEASE,
+                                  "cannot close the store: %llu calls are in progress in other threads",
+                                  (unsigned long long)calls);
+    }
+    coli_pool_stop(&s->pool);     /* queued prefetches are dropped, running reads end first */
+    for (int i = 0; i < s->n_layers; i++) {
+        Layer *L = &s->layers[i];
+        pthread_mutex_lock(&L->mu);
+        for (int j = 0; j < L->n_slots; j++)   /* their jobs are gone: no load is left */
+            if (L->slots[j].state == SLOT_QUEUED) cancel_queued(s, L, &L->slots[j]);
+        pthread_mutex_unlock(&L->mu);
+        free(L->arena);
+        L->arena = NULL;
+    }
+    coli_files_close(&s->files);
+    return COLI_OK;
+}
 
 int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns) {
     LruStore *s = store_of(store);

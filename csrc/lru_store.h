@@ -38,7 +38,8 @@ enum {
     COLI_ECONFIG = -6,      /* the configuration is inconsistent */
     COLI_ELEASE = -7,       /* lease misuse, e.g. lookup into a view holding a lease */
     COLI_ETHREAD = -8,      /* a thread or lock could not be created */
-    COLI_ETIMEOUT = -9      /* a wait for idle ended at its timeout */
+    COLI_ETIMEOUT = -9,     /* a wait for idle ended at its timeout */
+    COLI_ECLOSED = -10      /* the store was closed with coli_lru_close */
 };
 
 /* Where one tensor's bytes are: a range of one file, plus its scales. */
@@ -98,6 +99,13 @@ int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
 int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
                          int count, ColiExpertView *views, char *err,
                          size_t err_len);
+
+/* Frees the slot memory, stops the I/O pool and closes the files, unless a
+ * lease is held or a lookup or prefetch is in progress (COLI_ELEASE, nothing
+ * changed). After it, lookups fail with COLI_ECLOSED, prefetch accepts
+ * nothing, and stats, release and the counters stay safe to call; destroy
+ * still frees the rest. Closing twice is fine. */
+int coli_lru_close(ColiExpertStore *store, char *err, size_t err_len);
 
 /* Waits until no load is queued or in flight in layer (layer < 0: in any
  * layer), at most timeout_ns (< 0: forever). Returns 0 or COLI_ETIMEOUT. */

@@ -50,3 +50,15 @@ def test_stress_under_sanitizer(tmp_path: Path, sanitize: str) -> None:
     assert proc.returncode == 0, report
     assert "Sanitizer" not in report and "runtime error" not in report, report
     assert "all checks passed" in proc.stdout
+
+
+def test_destroy_with_a_lease_held_asserts(tmp_path: Path) -> None:
+    """Contract rule 5: a build with assertions aborts on destroy with leases."""
+    exe = tmp_path / "stress_assert"
+    subprocess.run(["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-g", "-O0", "-UNDEBUG", f"-I{CSRC}",
+                    *map(str, SOURCES), "-o", str(exe), "-lpthread"], check=True, capture_output=True)
+    proc = subprocess.run([str(exe), str(tmp_path), "destroy-leased"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode < 0, proc.stdout + proc.stderr  # killed by SIGABRT
+    assert "destroy with active leases" in proc.stderr
+    assert "returned" not in proc.stdout

@@ -13,6 +13,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -165,7 +166,8 @@ static void contract_edges(ColiExpertStore *store) {
 
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: %s DIR [threads] [iterations]\n", argv[0]); return 2; }
-    int threads = argc > 2 ? atoi(argv[2]) : 6, iters = argc > 3 ? atoi(argv[3]) : 2000;
+    bool destroy_leased = argc > 2 && strcmp(argv[2], "destroy-leased") == 0;
+    int threads = argc > 2 && !destroy_leased ? atoi(argv[2]) : 6, iters = argc > 3 ? atoi(argv[3]) : 2000;
     char path[4096];
     snprintf(path, sizeof path, "%s/stress_model.bin", argv[1]);
     if (write_model(path) != 0) { perror(path); return 2; }
@@ -173,6 +175,15 @@ int main(int argc, char **argv) {
     for (int l = 0; l < LAYERS; l++)
         for (int e = 0; e < EXPERTS; e++)
             src[l * EXPERTS + e] = (ColiExpertSource){l, e, tensor(l, e, 0), tensor(l, e, 1), tensor(l, e, 2)};
+    if (destroy_leased) {          /* rule 5: must abort in a build with assertions */
+        ColiExpertStore *store = open_store(path, src, 1, 0);
+        ColiExpertView v;
+        memset(&v, 0, sizeof v);
+        if (!store || coli_expert_lookup(store, (ColiExpertKey){0, 0}, &v) != 0) return 2;
+        store->ops->destroy(store);
+        puts("destroy with a lease held returned");
+        return 0;
+    }
     for (int mode = 0; mode < 4; mode++) {
         uint32_t workers = (mode & 1) ? 2 : 0;
         ColiExpertStore *store = open_store(path, src, workers, mode >> 1);

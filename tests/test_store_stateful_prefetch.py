@@ -1,0 +1,185 @@
+"""A model-based state machine over the whole Python API with prefetch on.
+
+Each example opens a store with a random budget and number of I/O workers,
+then interleaves leases, lease_many, releases, prefetches, waits for idle,
+misuse (use after release, release twice, close while leased) and a final
+close. With asynchronous loads the exact hit/miss sequence is not
+deterministic, so the model tracks what must hold whatever the timing: which
+leases are held and their bytes, and the counter invariants of SPEC section 3.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import colibri
+from conftest import expected_experts
+
+pytestmark = pytest.mark.filterwarnings("error::ResourceWarning")
+
+
+def make_machine(model):
+    want = expected_experts(model)
+    layers = model.layers
+    n_experts = model.n_experts
+
+    class PrefetchMachine(RuleBasedStateMachine):
+        leases = Bundle("leases")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.store: colibri.Store | None = None
+            self.held: list[colibri.ExpertLease] = []
+            self.closed = False
+            self.failed_requests = 0   # lookups refused as cache full: requests, not hits or misses
+
+        @initialize(slots=st.integers(1, 4), workers=st.integers(0, 3))
+        def open(self, slots: int, workers: int) -> None:
+            self.store = colibri.open_store(model.path, slots_per_layer=slots, prefetch_workers=workers,
+                                            slot_wait_timeout=0.0)
+            self.slots = slots
+            self.workers = workers
+
+        def check(self, ex: colibri.ExpertLease) -> None:
+            expect = want[(ex.layer, ex.expert)]
+            for role in ("gate", "up", "down"):
+                assert getattr(ex, role).tobytes() == expect[role].tobytes(), (ex, role)
+
+        def held_in(self, layer: int) -> set[int]:
+            return {ex.expert for ex in self.held if ex.layer == layer}
+
+        @precondition(lambda self: not self.closed)
+        @rule(target=leases, layer=st.sampled_from(layers), expert=st.integers(0, n_experts - 1))
+        def lease(self, layer: int, expert: int):
+            held = self.held_in(layer)
+            if expert not in held and len(held) >= self.slots:
+                with pytest.raises(colibri.CacheFullError):
+                    self.store.lease(layer, expert)
+                self.failed_requests += 1
+                return None
+            ex = self.store.lease(layer, expert)
+            self.check(ex)
+            self.held.append(ex)
+            return ex
+
+        @precondition(lambda self: not self.closed)
+        @rule(layer=st.sampled_from(layers), experts=st.lists(st.integers(0, n_experts - 1), min_size=1, max_size=3))
+        def lease_many_and_release(self, layer: int, experts: list[int]) -> None:
+            need = self.held_in(layer) | set(experts)
+            if len(need) > self.slots:
+                before = self.store.active_leases
+                with pytest.raises(colibri.CacheFullError):
+                    self.store.lease_many(layer, experts)
+                assert self.store.active_leases == before  # all or nothing
+                # More distinct experts than slots is refused before any lookup.
+                self.failed_requests += len(experts) if len(set(experts)) <= self.slots else 0
+                return
+            with self.store.lease_many(layer, experts) as group:
+                assert [ex.expert for ex in group] == experts
+                for ex in group:
+                    self.check(ex)
+
+        @precondition(lambda self: not self.closed)
+        @rule(ex=consumes(leases))
+        def release(self, ex) -> None:
+            if ex is None:
+                return
+            self.check(ex)
+            ex.release()
+            self.held.remove(ex)
+            with pytest.raises(colibri.LeaseError):
+                ex.gate
+            with pytest.raises(colibri.LeaseError):
+                ex.release()
+
+        @precondition(lambda self: not self.closed)
+        @rule(keys=st.lists(st.tuples(st.sampled_from(layers + (-1, 99)), st.integers(-1, n_experts)), max_size=6))
+        def prefetch(self, keys: list[tuple[int, int]]) -> None:
+            before = self.store.stats()
+            accepted = self.store.prefetch(keys)
+            after = self.store.stats()
+            valid = [k for k in keys if k[0] in layers and 0 <= k[1] < n_experts]
+            assert 0 <= accepted <= len(valid)
+            if self.workers == 0:
+                assert accepted == 0
+            assert after.prefetched - before.prefetched == accepted
+
+        @precondition(lambda self: not self.closed)
+        @rule()
+        def wait_idle(self) -> None:
+            self.store.wait_idle(timeout=30)
+            s = self.store.stats()
+            assert s.loads_started == s.misses + s.prefetched  # every load has ended
+            for ex in self.held:
+                self.check(ex)
+
+        @precondition(lambda self: not self.closed and bool(self.held))
+        @rule()
+        def close_while_leased_is_refused(self) -> None:
+            with pytest.raises(colibri.LeaseError):
+                self.store.close()
+            assert not self.store.closed
+
+        @precondition(lambda self: not self.closed)
+        @rule()
+        def close(self) -> None:
+            for ex in self.held:
+                ex.release()
+            self.held.clear()
+            self.store.close()
+            self.closed = True
+
+        @precondition(lambda self: self.closed)
+        @rule(layer=st.sampled_from(layers), expert=st.integers(0, n_experts - 1))
+        def calls_after_close_raise(self, layer: int, expert: int) -> None:
+            for call in (lambda: self.store.lease(layer, expert),
+                         lambda: self.store.lease_many(layer, [expert]),
+                         lambda: self.store.prefetch([(layer, expert)]),
+                         lambda: self.store.wait_idle(),
+                         lambda: self.store.stats(),
+                         lambda: self.store.active_leases):
+                with pytest.raises(colibri.StoreClosedError):
+                    call()
+            self.store.close()  # a second close does nothing
+
+        @invariant()
+        def counters_hold(self) -> None:
+            if self.store is None or self.closed:
+                return
+            s = self.store.stats()
+            assert s.resident_bytes <= s.capacity_bytes
+            assert s.prefetch_hits <= s.prefetched
+            assert s.requests == s.hits + s.misses + self.failed_requests
+            assert s.loads_failed == 0
+            assert self.store.active_leases == len(self.held)
+
+        @invariant()
+        def held_bytes_unchanged(self) -> None:
+            for ex in self.held:
+                self.check(ex)
+
+        def teardown(self) -> None:
+            if self.store is not None and not self.closed:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ResourceWarning)
+                    for ex in self.held:
+                        ex.release()
+                self.store.close()
+
+    return PrefetchMachine
+
+
+def test_prefetch_state_machine(tiny_model):
+    make_machine(tiny_model).TestCase().runTest()
