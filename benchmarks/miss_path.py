@@ -201,7 +201,9 @@ def main(argv=None) -> int:
                 add(f"store w={w} prefetch", bw, info)
 
         med = {k: statistics.median(v) for k, v in cold.items()}
-        seq = med["sequential 16 MiB (device)"]
+        # the device limit is the best sequential run: a slow run is noise, not the device
+        seq = max(cold["sequential 16 MiB (device)"])
+        med["sequential 16 MiB (device)"] = seq
         pread = med["os.pread per expert"]
         rows = []
         for k, v in med.items():
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
             rows.append((k, C.fmt_bw(v), C.fmt_ratio(v / pread), C.fmt_ratio(v / seq),
                          " ".join(C.fmt_bw(x) for x in cold[k]), detail))
         print(C.table(f"cold misses: {len(spans)} experts, {ebytes / 2**20:.0f} MiB of experts "
-                      f"(file {fsize / 2**20:.0f} MiB), median of {reps}",
+                      f"(file {fsize / 2**20:.0f} MiB), median of {reps} (sequential: best)",
                       ("reader", "bandwidth", "vs os.pread", "vs sequential", "runs", "store counters"),
                       rows))
         print()

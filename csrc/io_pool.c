@@ -61,12 +61,17 @@ int coli_pool_start(ColiIoPool *pool, uint32_t n_threads, uint32_t capacity,
     return COLI_OK;
 }
 
-bool coli_pool_post(ColiIoPool *pool, ColiJob job) {
+bool coli_pool_post(ColiIoPool *pool, ColiJob job, bool front) {
     if (pool->n_threads == 0) return false;
     pthread_mutex_lock(&pool->mu);
     bool ok = !pool->stopping && pool->count < pool->capacity;
     if (ok) {
-        pool->ring[(pool->head + pool->count) % pool->capacity] = job;
+        if (front) {
+            pool->head = (pool->head + pool->capacity - 1) % pool->capacity;
+            pool->ring[pool->head] = job;
+        } else {
+            pool->ring[(pool->head + pool->count) % pool->capacity] = job;
+        }
         pool->count++;
         if (pool->idle > 0) pthread_cond_signal(&pool->cv);
     }

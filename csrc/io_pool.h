@@ -46,8 +46,10 @@ typedef struct {
 int coli_pool_start(ColiIoPool *pool, uint32_t n_threads, uint32_t capacity,
                     ColiJobFn run, void *ctx, char *err, size_t err_len);
 
-/* Queues job; false when the pool has no threads, is stopping or is full. */
-bool coli_pool_post(ColiIoPool *pool, ColiJob job);
+/* Queues job at the back (front: ahead of everything queued, for work a
+ * caller is waiting on); false when the pool has no threads, is stopping or
+ * is full. */
+bool coli_pool_post(ColiIoPool *pool, ColiJob job, bool front);
 
 /* Stops and joins every worker, drops queued jobs, frees the pool.
  * Safe on a zeroed pool. */

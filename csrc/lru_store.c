@@ -64,7 +64,16 @@ struct Slot {
     bool prefetched;              /* loaded by prefetch and not hit yet */
     uint32_t leases;              /* active leases; > 0 only when RESIDENT */
     uint64_t generation;          /* bumped whenever the slot is repurposed */
+    /* A READING slot of a lease_many batch may be read by an I/O worker;
+     * the worker only reads, the batch's thread finishes the load. */
+    uint8_t batch;                /* BATCH_NONE, _QUEUED, _RUNNING or _DONE */
+    int batch_rc;                 /* the worker's read result, when DONE */
+    uint64_t batch_nread;
+    char batch_err[256];
 };
+
+enum { BATCH_NONE, BATCH_QUEUED, BATCH_RUNNING, BATCH_DONE };
+#define DEMAND_JOB (1ull << 63)   /* tag bit of a batch read job; the rest is the generation */
 
 typedef struct {
     bool present;                 /* the model has this expert */
@@ -617,15 +626,34 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
             reading[n_reading++] = v;
         }
     }
+    /* Several misses: hand all but the first to the I/O workers, ahead of
+     * queued prefetches, so the reads overlap; read the rest here. A job no
+     * worker has started when we get to it is taken back. */
+    for (int k = 1; k < n_reading; k++) {
+        Slot *v = reading[k];
+        v->batch = BATCH_QUEUED;
+        if (!coli_pool_post(&s->pool, (ColiJob){v, v->generation | DEMAND_JOB}, true))
+            v->batch = BATCH_NONE;
+    }
     for (int k = 0; k < n_reading; k++) {
         Slot *v = reading[k];
-        Entry *e = &L->entries[v->expert];
+        int r;
         uint64_t nread = 0;
-        char local[ERRLEN];
-        pthread_mutex_unlock(&L->mu);
-        int r = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &nread,
+        if (v->batch == BATCH_NONE || v->batch == BATCH_QUEUED) {
+            v->batch = BATCH_NONE;
+            char local[ERRLEN];
+            const ColiReadPlan *plan = &L->entries[v->expert].plan;
+            pthread_mutex_unlock(&L->mu);
+            r = coli_read_expert(&s->files, plan, v->mem, &s->fault, &nread,
                                  rc == COLI_OK ? err : local, rc == COLI_OK ? n : sizeof local);
-        pthread_mutex_lock(&L->mu);
+            pthread_mutex_lock(&L->mu);
+        } else {
+            while (v->batch != BATCH_DONE) layer_wait(L, NULL);
+            v->batch = BATCH_NONE;
+            r = v->batch_rc;
+            nread = v->batch_nread;
+            if (r != COLI_OK && rc == COLI_OK) coli_fail(err, n, r, "%s", v->batch_err);
+        }
         finish_load(s, L, v, r == COLI_OK, nread, r == COLI_OK ? 1 : 0);
         if (r != COLI_OK && rc == COLI_OK) rc = r;
         reading[k] = r == COLI_OK ? v : NULL;
@@ -664,8 +692,34 @@ int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
     return rc;
 }
 
-/* Worker side of prefetch: reads a QUEUED slot unless it was taken over. */
-static void run_prefetch(void *ctx, ColiJob job) {
+/* Worker side of a lease_many read: reads the slot unless its batch took
+ * the job back, and hands the result to the batch's thread. */
+static void run_batch_read(LruStore *s, Slot *v, uint64_t generation) {
+    Layer *L = v->layer;
+    pthread_mutex_lock(&L->mu);
+    if (v->generation != generation || v->batch != BATCH_QUEUED) {
+        pthread_mutex_unlock(&L->mu);
+        return;
+    }
+    v->batch = BATCH_RUNNING;
+    const ColiReadPlan *plan = &L->entries[v->expert].plan;
+    pthread_mutex_unlock(&L->mu);
+    uint64_t nread = 0;
+    int rc = coli_read_expert(&s->files, plan, v->mem, &s->fault, &nread, v->batch_err, sizeof v->batch_err);
+    pthread_mutex_lock(&L->mu);
+    v->batch_rc = rc;
+    v->batch_nread = nread;
+    v->batch = BATCH_DONE;
+    wake(L);
+    pthread_mutex_unlock(&L->mu);
+}
+
+/* The pool's job function: batch reads (DEMAND_JOB) and prefetches. */
+static void run_job(void *ctx, ColiJob job) {
+    if (job.tag & DEMAND_JOB) {
+        run_batch_read(ctx, job.item, job.tag & ~DEMAND_JOB);
+        return;
+    }
     LruStore *s = ctx;
     Slot *v = job.item;
     Layer *L = v->layer;
@@ -701,7 +755,7 @@ static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, in
         if (v && v->prefetched) v = NULL;
         /* Post with the generation repurpose() is about to give the slot; a
          * worker that pops it first blocks on L->mu until we are done. */
-        if (v && coli_pool_post(&s->pool, (ColiJob){v, v->generation + 1})) {
+        if (v && coli_pool_post(&s->pool, (ColiJob){v, v->generation + 1}, false)) {
             repurpose(s, L, v, e, keys[i].expert, SLOT_QUEUED);
             L->c.prefetched++;
             accepted++;
@@ -922,7 +976,7 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     if (rc == COLI_OK)
         rc = coli_pool_start(&s->pool, cfg->prefetch_workers,
                              cfg->prefetch_queue_depth ? cfg->prefetch_queue_depth : DEFAULT_QUEUE_DEPTH,
-                             run_prefetch, s, err, n);
+                             run_job, s, err, n);
     if (rc != COLI_OK) {
         free_store(s);
         return rc;
