@@ -177,24 +177,34 @@ def warm_page_cache(files) -> None:
 # traces
 
 
-def make_trace(rng, *, tokens: int, layers: int, experts: int, top_k: int, skew: float) -> np.ndarray:
+def make_trace(rng, *, tokens: int, layers: int, experts: int, top_k: int,
+               skew: float) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, layers, top_k) expert ids: each layer samples from its own
-    Zipf(skew) popularity over a random permutation of its experts."""
+    Zipf(skew) popularity over a random permutation of its experts. Also
+    returns the popularities, (layers, experts)."""
     trace = np.empty((tokens, layers, top_k), dtype=np.int64)
+    pops = np.empty((layers, experts))
     ranks = 1.0 / np.arange(1, experts + 1) ** skew
     for layer in range(layers):
-        pop = np.empty(experts)
+        pop = pops[layer]
         pop[rng.permutation(experts)] = ranks
         pop /= pop.sum()
         for t in range(tokens):
             trace[t, layer] = rng.choice(experts, size=top_k, replace=False, p=pop)
-    return trace
+    return trace, pops
 
 
-def make_predictions(rng, trace: np.ndarray, experts: int, p: float) -> np.ndarray:
+def make_predictions(rng, trace: np.ndarray, pops: np.ndarray, p: float, wrong: str) -> np.ndarray:
     """pred[t, i] = the guess of layer i's experts made at layer i-1 (row 0
-    unused): each true expert kept with probability p, else a random wrong one."""
+    unused): each true expert kept with probability p, else a wrong one.
+
+    wrong="popular" draws the wrong expert from the layer's own popularity:
+    a router applied to a hidden state one layer stale errs towards the
+    experts it picks often, which are often resident already. wrong="uniform"
+    draws it uniformly, so nearly every wrong guess costs a cold read (the
+    pessimistic bound)."""
     tokens, layers, k = trace.shape
+    experts = pops.shape[1]
     pred = np.full_like(trace, -1)
     for t in range(tokens):
         for i in range(1, layers):
@@ -203,9 +213,10 @@ def make_predictions(rng, trace: np.ndarray, experts: int, p: float) -> np.ndarr
             for a in trace[t, i]:
                 if rng.random() < p:
                     chosen.append(int(a))
-                else:
-                    wrong = [e for e in range(experts) if e not in actual and e not in chosen]
-                    chosen.append(int(rng.choice(wrong)))
+                    continue
+                candidates = [e for e in range(experts) if e not in actual and e not in chosen]
+                weights = pops[i, candidates] if wrong == "popular" else np.ones(len(candidates))
+                chosen.append(int(rng.choice(candidates, p=weights / weights.sum())))
             pred[t, i] = chosen
     return pred
 
@@ -486,6 +497,9 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--slots", type=int, default=8, help="cache slots per layer")
     ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity")
+    ap.add_argument("--wrong", choices=["popular", "uniform"], default="popular",
+                    help="how a wrong guess is drawn: from the layer's popularity (as a router errs) "
+                         "or uniformly (every wrong guess a cold read)")
     ap.add_argument("--p", type=float, nargs="+", default=[0.0, 0.5, 0.72, 0.9],
                     help="one-layer-ahead predictabilities")
     ap.add_argument("--pilot-workers", type=int, nargs="+", default=[1, 2, 4])
@@ -540,7 +554,7 @@ def main(argv=None) -> int:
               f"written in {time.perf_counter() - t0:.1f} s to {workdir}")
         print(f"cache: {args.slots} slots/layer = {cache_bytes / 1e9:.2f} GB "
               f"({cache_bytes / model_bytes:.0%} of the experts); top-{args.top_k}, "
-              f"Zipf skew {args.skew}, {args.tokens} tokens")
+              f"Zipf skew {args.skew}, {args.tokens} tokens, wrong guesses {args.wrong}")
 
         cal = calibrate(model, args, cold_method)
         engine = calibrated_engine(model, args, cal)
@@ -551,9 +565,10 @@ def main(argv=None) -> int:
               f"= {cal['layer_compute_ms'] / cal['expert_read_ms']:.2f}x one read")
 
         rng = np.random.default_rng(args.seed)
-        trace = make_trace(rng, tokens=args.tokens, layers=args.layers, experts=args.experts,
-                           top_k=args.top_k, skew=args.skew)
-        preds = {p: make_predictions(np.random.default_rng([args.seed, int(p * 1000)]), trace, args.experts, p)
+        trace, pops = make_trace(rng, tokens=args.tokens, layers=args.layers, experts=args.experts,
+                                 top_k=args.top_k, skew=args.skew)
+        preds = {p: make_predictions(np.random.default_rng([args.seed, int(p * 1000)]), trace, pops, p,
+                                     args.wrong)
                  for p in args.p}
 
         results: list[RunResult] = []
