@@ -156,6 +156,25 @@ static double mutex_pair(void) {
     return (double)(t1 - t0) / (double)ITERS;
 }
 
+/* The machine's own 2-thread ceiling: an arithmetic loop that shares
+ * nothing, in one thread and then in two. Returns the throughput ratio. */
+static void *spin(void *p) {
+    volatile uint64_t x = (uint64_t)(uintptr_t)p;
+    for (long i = 0; i < ITERS * 4; i++) x = x * 6364136223846793005ull + 1;
+    return NULL;
+}
+
+static double machine_ceiling(void) {
+    uint64_t t0 = now_ns();
+    spin((void *)1);
+    double one = (double)(now_ns() - t0);
+    pthread_t th[2];
+    t0 = now_ns();
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, spin, (void *)(uintptr_t)(i + 2));
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    return 2.0 * one / (double)(now_ns() - t0);
+}
+
 static double scatter(ColiExpertStore *store, long *fails) {
     static ColiExpertKey seq[SEQ_LEN];
     uint32_t x = 12345u;
@@ -233,7 +252,7 @@ int main(int argc, char **argv) {
             coli_expert_release(store, &v);
         }
 
-    double mu[64], seq1[64], dir1[64], thr1[64], thr2[64], sc[64];
+    double mu[64], seq1[64], dir1[64], thr1[64], thr2[64], sc[64], ceil2[64];
     one_thread(store, 0, &fails);   /* warm up */
     for (int r = 0; r < REPS; r++) {  /* interleaved, so drift hits every figure alike */
         mu[r] = mutex_pair();
@@ -242,6 +261,7 @@ int main(int argc, char **argv) {
         thr1[r] = 1e9 / seq1[r];
         thr2[r] = LAYERS >= 2 ? two_threads(store, &fails) : 0.0;
         sc[r] = scatter(store, &fails);
+        ceil2[r] = machine_ceiling();
     }
     ColiExpertStoreStats st;
     store->ops->stats(store, &st);
@@ -253,9 +273,10 @@ int main(int argc, char **argv) {
            "\"mutex_pair_ns\": %.2f, \"pair_ns\": %.2f, \"pair_ns_best\": %.2f, \"direct_pair_ns\": %.2f, "
            "\"scatter_pair_ns\": %.2f, \"thr1_per_s\": %.0f, \"thr1_best_per_s\": %.0f, "
            "\"thr2_per_s\": %.0f, \"thr2_best_per_s\": %.0f, "
+           "\"machine_2t_ratio\": %.3f, "
            "\"failures\": %ld, \"hits\": %llu, \"misses\": %llu}\n",
            LAYERS, EXPERTS, ITERS, REPS, tensor_bytes(), mu_m, seq_m, seq_best, dir_m, sc_m,
-           thr1_m, thr1_best, thr2_m, thr2_best,
+           thr1_m, thr1_best, thr2_m, thr2_best, median(ceil2, REPS),
            fails, (unsigned long long)st.hits, (unsigned long long)st.misses);
     store->ops->destroy(store);
     free(src);

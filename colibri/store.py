@@ -50,7 +50,7 @@ class _LayerArrays:
     scale, indexed like coli_view_layout's offsets (gate, up, down, then their
     scales; None where a role is unscaled). All experts of a layer agree."""
 
-    parts: tuple[tuple[np.dtype, tuple[int, int]] | None, ...]
+    parts: tuple[tuple[np.dtype, tuple[int, int], int] | None, ...]  # dtype, shape, element count
 
 
 _PART_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
@@ -78,7 +78,7 @@ class ExpertLease:
     A lease belongs to one thread at a time.
     """
 
-    __slots__ = ("_store", "layer", "expert", "_view", "_keepalive", "_memory", "_offsets",
+    __slots__ = ("_store", "layer", "expert", "_view", "_keepalive", "_memory",
                  "_arrays", "_released", "_ended")
 
     def __init__(self, store: "Store", layer: int, expert: int, view: Any, keepalive: Any) -> None:
@@ -89,6 +89,7 @@ class ExpertLease:
         self._keepalive = keepalive
         self._released = False
         self._memory: memoryview | None = None   # made with the first array
+        self._arrays: list[np.ndarray | None] | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -98,16 +99,17 @@ class ExpertLease:
     def released(self) -> bool:
         return self._released
 
-    def _anchor_memory(self) -> memoryview:
-        """The slot's bytes as a read-only memoryview that owns the C lease.
+    def _anchor_memory(self) -> list[np.ndarray | None]:
+        """Builds the arrays over the slot's bytes, tied to the C lease.
 
-        From here the C lease ends when an anchor dies: after release() drops
-        our reference and after the last array built over the memory is gone.
+        They view a read-only memoryview over an ffi.gc anchor: from here the
+        C lease ends when the anchor dies, which is after release() drops our
+        reference and after the last array (or view of one) is gone.
         """
         store, view, keepalive = self._store, self._view, self._keepalive
         layout = store._buffers.layout
         lib.coli_view_layout(view, layout)
-        base, span, *self._offsets = ffi.unpack(layout, 8)
+        base, span, *offsets = ffi.unpack(layout, 8)
         ended = self._ended = [False]
 
         def end_lease(_ptr: Any) -> None:
@@ -115,59 +117,58 @@ class ExpertLease:
             ended[0] = True
 
         anchor = ffi.gc(ffi.cast("char *", base), end_lease)
-        self._arrays = {}
         memory = self._memory = memoryview(ffi.buffer(anchor, span)).toreadonly()
-        return memory
-
-    def _array(self, name: str) -> np.ndarray | None:
-        if self._released:
-            raise LeaseError(f"layer {self.layer} expert {self.expert}: .{name} used after its lease was released")
-        memory = self._memory
-        if memory is None:
-            memory = self._anchor_memory()
-        arrays = self._arrays
-        if name in arrays:
-            return arrays[name]
-        i = _PART_NAMES.index(name)
-        part = self._store._arrays[self.layer].parts[i]
-        arr = None
-        if part is not None:
-            # frombuffer keeps the read-only memoryview as base, so the flag
+        arrays: list[np.ndarray | None] = []
+        for part, offset in zip(store._arrays[self.layer].parts, offsets):
+            if part is None:
+                arrays.append(None)
+                continue
+            # frombuffer keeps a read-only memoryview as base, so the flag
             # cannot be flipped back to writeable (np.ndarray(buffer=) would
             # expose the writable cffi buffer underneath).
-            dtype, shape = part
-            arr = np.frombuffer(memory, dtype=dtype, count=shape[0] * shape[1], offset=self._offsets[i])
+            dtype, shape, count = part
+            arr = np.frombuffer(memory, dtype=dtype, count=count, offset=offset)
             arr.shape = shape
-        arrays[name] = arr
-        return arr
+            arrays.append(arr)
+        self._arrays = arrays
+        return arrays
+
+    def _array(self, i: int) -> np.ndarray | None:
+        if self._released:
+            raise LeaseError(f"layer {self.layer} expert {self.expert}: .{_PART_NAMES[i]} used after "
+                             "its lease was released")
+        arrays = self._arrays
+        if arrays is None:
+            arrays = self._anchor_memory()
+        return arrays[i]
 
     @property
     def gate(self) -> np.ndarray:
         """The gate projection, shape (intermediate, hidden) as stored."""
-        return self._array("gate")  # type: ignore[return-value]
+        return self._array(0)  # type: ignore[return-value]
 
     @property
     def up(self) -> np.ndarray:
         """The up projection, shape (intermediate, hidden) as stored."""
-        return self._array("up")  # type: ignore[return-value]
+        return self._array(1)  # type: ignore[return-value]
 
     @property
     def down(self) -> np.ndarray:
         """The down projection, shape (hidden, intermediate) as stored."""
-        return self._array("down")  # type: ignore[return-value]
+        return self._array(2)  # type: ignore[return-value]
 
     @property
     def gate_scale(self) -> np.ndarray | None:
         """Block scales of ``gate`` (fp8 block-scaled checkpoints), else None."""
-        return self._array("gate_scale")
+        return self._array(3)
 
     @property
     def up_scale(self) -> np.ndarray | None:
-        return self._array("up_scale")
+        return self._array(4)
 
     @property
     def down_scale(self) -> np.ndarray | None:
-        return self._array("down_scale")
+        return self._array(5)
 
     def release(self) -> None:
         """End the lease. Arrays still referenced elsewhere keep it alive until
@@ -178,7 +179,7 @@ class ExpertLease:
         if self._memory is None:           # no array was ever made: end it now
             self._store._release(self._view, self._keepalive)
             return
-        self._arrays.clear()
+        self._arrays = None
         self._memory = None
         # With our references gone, refcounting ends the C lease right here
         # unless an array (or a view of one) outlives the lease.
@@ -402,7 +403,7 @@ class Store:
 
 def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
     ex = model.expert(layer, next(iter(model.experts[layer])))
-    parts: list[tuple[np.dtype, tuple[int, int]] | None] = []
+    parts: list[tuple[np.dtype, tuple[int, int], int] | None] = []
     for info in [ex.weight(r) for r in _ROLES] + [ex.scale(r) for r in _ROLES]:
         if info is None:
             parts.append(None)
@@ -410,7 +411,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
         dt = _dtypes.lookup(info.dtype)
         assert dt is not None and dt.numpy is not None
         rows, cols = info.shape
-        parts.append((np.dtype(dt.numpy), (rows, cols)))
+        parts.append((np.dtype(dt.numpy), (rows, cols), rows * cols))
     return _LayerArrays(tuple(parts))
 
 

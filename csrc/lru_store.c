@@ -88,7 +88,9 @@ typedef struct {
 } Counters;
 
 struct Layer {
-    pthread_mutex_t mu;           /* guards everything below but the fixed fields */
+    /* Layers sit side by side in one array: each starts on its own cache
+     * line so threads on different layers do not share one. */
+    _Alignas(64) pthread_mutex_t mu;  /* guards everything below but the fixed fields and atomics */
     pthread_cond_t cv;            /* a lease was released or a load ended */
     int id;                       /* the model's layer index, fixed */
     int n_entries;                /* largest expert index + 1, fixed */
@@ -102,8 +104,10 @@ struct Layer {
     uint32_t loading;             /* slots QUEUED or READING */
     uint32_t queued;              /* slots QUEUED */
     uint64_t resident_bytes;
+    uint64_t leases;              /* leases held on this layer's slots */
     Counters c;
     bool sync_ready;              /* mu and cv were initialised */
+    _Atomic uint64_t calls;       /* lookups of this layer in progress (close guard) */
 };
 
 typedef struct {
@@ -119,8 +123,8 @@ typedef struct {
     ColiFaultHook fault;
     _Atomic uint64_t inflight;    /* loads QUEUED or READING, all layers */
     _Atomic uint64_t peak_inflight;
-    _Atomic uint64_t active_leases;
-    _Atomic uint64_t calls;       /* lookups and prefetches in progress */
+    _Atomic uint64_t prefetch_calls;  /* prefetches in progress (close guard) */
+    _Atomic uint64_t generations; /* source of slot generations: unique in the store */
     _Atomic int closed;           /* set by coli_lru_close: slot memory is gone */
 } LruStore;
 
@@ -166,15 +170,19 @@ static LruStore *store_of(ColiExpertStore *store) {
 
 /* Brackets a call that touches slot memory or the pool, against close().
  * Both sides write their flag then read the other's (sequentially
- * consistent), so either close sees the call or the call sees close. */
-static bool call_enter(LruStore *s) {
-    atomic_fetch_add(&s->calls, 1);
+ * consistent), so either close sees the call or the call sees close. The
+ * counter is per layer (or the store's, for prefetch) so that threads on
+ * different layers never write one cache line. */
+static bool call_enter(LruStore *s, _Atomic uint64_t *calls) {
+    atomic_fetch_add(calls, 1);
     if (!atomic_load(&s->closed)) return true;
-    atomic_fetch_sub(&s->calls, 1);
+    atomic_fetch_sub(calls, 1);
     return false;
 }
 
-static void call_leave(LruStore *s) { atomic_fetch_sub(&s->calls, 1); }
+static void call_leave(_Atomic uint64_t *calls) { atomic_fetch_sub(calls, 1); }
+
+static uint64_t next_generation(LruStore *s) { return atomic_fetch_add(&s->generations, 1) + 1; }
 
 static Layer *find_layer(LruStore *s, int layer) {
     return (layer >= 0 && layer <= s->max_id) ? s->by_id[layer] : NULL;
@@ -196,15 +204,17 @@ static void wake(Layer *L) {
 }
 
 /* Gives slot v to entry e in state st: drops whatever v held (counting an
- * eviction), bumps its generation. Caller holds L->mu; v is on the list. */
-static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, SlotState st) {
+ * eviction) and gives it the new generation (from next_generation()).
+ * Caller holds L->mu; v is on the list. */
+static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, SlotState st,
+                      uint64_t generation) {
     list_unlink(v);
     if (v->state == SLOT_RESIDENT) {
         L->entries[v->expert].slot = NULL;
         L->resident_bytes -= L->entries[v->expert].plan.payload;
         L->c.evictions++;
     }
-    v->generation++;
+    v->generation = generation;
     v->expert = expert;
     v->state = st;
     v->prefetched = (st == SLOT_QUEUED);
@@ -228,14 +238,14 @@ static void finish_load(LruStore *s, Layer *L, Slot *v, bool ok, uint64_t nread,
         v->leases = leases;
         L->resident_bytes += e->plan.payload;
         if (leases == 0) list_push_mru(L, v);
-        else atomic_fetch_add(&s->active_leases, leases);
+        else L->leases += leases;
     } else {
         L->c.loads_failed++;
         e->slot = NULL;
         v->expert = -1;
         v->state = SLOT_EMPTY;
         v->prefetched = false;
-        v->generation++;
+        v->generation = next_generation(s);
         list_push_lru(L, v);
     }
     wake(L);
@@ -267,10 +277,10 @@ static void fill_view(ColiExpertView *view, Layer *L, Slot *v) {
 }
 
 /* Takes a lease on resident slot v as a hit. Caller holds L->mu. */
-static void lease_hit(LruStore *s, Layer *L, Slot *v, ColiExpertView *view) {
+static void lease_hit(Layer *L, Slot *v, ColiExpertView *view) {
     if (v->on_list) list_unlink(v);
     v->leases++;
-    atomic_fetch_add(&s->active_leases, 1);
+    L->leases++;
     L->c.requests++;
     L->c.hits++;
     if (v->prefetched) {
@@ -310,7 +320,7 @@ static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
     v->expert = -1;
     v->state = SLOT_EMPTY;
     v->prefetched = false;
-    v->generation++;
+    v->generation = next_generation(s);
     list_push_lru(L, v);
 }
 
@@ -333,7 +343,7 @@ static int layer_wait(Layer *L, const struct timespec *deadline) {
     return rc;
 }
 
-static bool release_locked(LruStore *s, Layer *L, ColiExpertView *view);
+static bool release_locked(Layer *L, ColiExpertView *view);
 
 /* ---- ops ------------------------------------------------------------- */
 
@@ -345,13 +355,14 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
 int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
                     ColiExpertView *view, char *err, size_t n) {
     LruStore *s = store_of(store);
-    if (s && !call_enter(s)) {
+    Layer *L = s ? find_layer(s, layer) : NULL;
+    if (L && !call_enter(s, &L->calls)) {
         if (view) memset(view, 0, sizeof(*view));
         return coli_fail(err, n, COLI_ECLOSED, "lookup of layer %d expert %d: the store is closed",
                          layer, expert);
     }
     int rc = lookup_impl(s, layer, expert, view, true, err, n);
-    if (s) call_leave(s);
+    if (L) call_leave(&L->calls);
     return rc;
 }
 
@@ -368,7 +379,7 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
         /* Overwriting a live lease would leak it for good, so drop it and
          * refuse. Anything else in the view is garbage we may overwrite. */
         pthread_mutex_lock(&held->mu);
-        bool live = release_locked(s, held, view);
+        bool live = release_locked(held, view);
         pthread_mutex_unlock(&held->mu);
         if (live) {
             memset(view, 0, sizeof(*view));
@@ -391,7 +402,7 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
     for (;;) {
         Slot *v = e->slot;
         if (v && v->state == SLOT_RESIDENT) {
-            lease_hit(s, L, v, view);
+            lease_hit(L, v, view);
             pthread_mutex_unlock(&L->mu);
             return COLI_OK;
         }
@@ -421,7 +432,7 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
             cancel_queued(s, L, victim);
         }
         if (victim) {
-            repurpose(s, L, victim, e, expert, SLOT_READING);
+            repurpose(s, L, victim, e, expert, SLOT_READING, next_generation(s));
             L->c.requests++;
             L->c.misses++;
             int rc = demand_read(s, L, victim, view, err, n);
@@ -461,7 +472,7 @@ static int lru_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertVi
 /* Drops the lease of view if it is current; false when view holds no live
  * lease of layer L (stale generation, or not one of L's slots). Caller holds
  * L->mu. */
-static bool release_locked(LruStore *s, Layer *L, ColiExpertView *view) {
+static bool release_locked(Layer *L, ColiExpertView *view) {
     Slot *v = view->lease;
     uintptr_t p = (uintptr_t)v, lo = (uintptr_t)L->slots;
     if (p < lo || p >= lo + sizeof(Slot) * (size_t)L->n_slots || (p - lo) % sizeof(Slot) != 0)
@@ -470,7 +481,7 @@ static bool release_locked(LruStore *s, Layer *L, ColiExpertView *view) {
         v->leases == 0 || v->expert != view->key.expert)
         return false;             /* stale: the slot was repurposed since */
     v->leases--;
-    atomic_fetch_sub(&s->active_leases, 1);
+    L->leases--;
     if (v->leases == 0) {
         list_push_mru(L, v);
         wake(L);
@@ -484,14 +495,14 @@ static void lru_release_op(ColiExpertStore *store, ColiExpertView *view) {
     Layer *L = find_layer(s, view->key.layer);
     if (!L) return;
     pthread_mutex_lock(&L->mu);
-    release_locked(s, L, view);
+    release_locked(L, view);
     pthread_mutex_unlock(&L->mu);
 }
 
 /* Drops one lease of resident slot v. Caller holds L->mu. */
-static void unlease_locked(LruStore *s, Layer *L, Slot *v) {
+static void unlease_locked(Layer *L, Slot *v) {
     v->leases--;
-    atomic_fetch_sub(&s->active_leases, 1);
+    L->leases--;
     if (v->leases == 0) {
         list_push_mru(L, v);
         wake(L);
@@ -601,7 +612,7 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
             Entry *e = &L->entries[experts[i]];
             Slot *v = e->slot;
             if (pass == 0) {
-                if (v && v->state == SLOT_RESIDENT) lease_hit(s, L, v, &views[i]);
+                if (v && v->state == SLOT_RESIDENT) lease_hit(L, v, &views[i]);
                 continue;
             }
             if (v ? v->state != SLOT_QUEUED || pass != 1 : pass != 2) continue;
@@ -619,7 +630,7 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
                     victim = queued_slot(L);
                     cancel_queued(s, L, victim);
                 }
-                repurpose(s, L, victim, e, experts[i], SLOT_READING);
+                repurpose(s, L, victim, e, experts[i], SLOT_READING, next_generation(s));
                 L->c.misses++;
                 v = victim;
             }
@@ -660,9 +671,9 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
     }
     if (rc != COLI_OK) {          /* all or nothing: give back what we hold */
         for (int i = 0; i < count; i++)
-            if (first[i] == i && views[i].lease) unlease_locked(s, L, views[i].lease);
+            if (first[i] == i && views[i].lease) unlease_locked(L, views[i].lease);
         for (int k = 0; k < n_reading; k++)
-            if (reading[k]) unlease_locked(s, L, reading[k]);
+            if (reading[k]) unlease_locked(L, reading[k]);
         memset(views, 0, sizeof(*views) * (size_t)count);
     } else {
         for (int i = 0; i < count; i++) {
@@ -670,7 +681,7 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
             if (first[i] == i) {
                 if (!views[i].lease) fill_view(&views[i], L, v);
             } else {
-                lease_hit(s, L, v, &views[i]);   /* a repeated expert: one more lease */
+                lease_hit(L, v, &views[i]);   /* a repeated expert: one more lease */
             }
         }
     }
@@ -683,12 +694,13 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
 int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
                          int count, ColiExpertView *views, char *err, size_t n) {
     LruStore *s = store_of(store);
-    if (s && !call_enter(s)) {
+    Layer *L = s ? find_layer(s, layer) : NULL;
+    if (L && !call_enter(s, &L->calls)) {
         if (views && count > 0) memset(views, 0, sizeof(*views) * (size_t)count);
         return coli_fail(err, n, COLI_ECLOSED, "lookup_many of layer %d: the store is closed", layer);
     }
     int rc = lookup_many_impl(s, layer, experts, count, views, err, n);
-    if (s) call_leave(s);
+    if (L) call_leave(&L->calls);
     return rc;
 }
 
@@ -742,7 +754,8 @@ static void run_job(void *ctx, ColiJob job) {
 
 static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count) {
     LruStore *s = store_of(store);
-    if (!s || !keys || count <= 0 || s->pool.n_threads == 0 || !call_enter(s)) return 0;
+    if (!s || !keys || count <= 0 || s->pool.n_threads == 0 || !call_enter(s, &s->prefetch_calls))
+        return 0;
     int accepted = 0;
     for (int i = 0; i < count; i++) {
         Layer *L = find_layer(s, keys[i].layer);
@@ -755,14 +768,15 @@ static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, in
         if (v && v->prefetched) v = NULL;
         /* Post with the generation repurpose() is about to give the slot; a
          * worker that pops it first blocks on L->mu until we are done. */
-        if (v && coli_pool_post(&s->pool, (ColiJob){v, v->generation + 1}, false)) {
-            repurpose(s, L, v, e, keys[i].expert, SLOT_QUEUED);
+        uint64_t generation = v ? next_generation(s) : 0;
+        if (v && coli_pool_post(&s->pool, (ColiJob){v, generation}, false)) {
+            repurpose(s, L, v, e, keys[i].expert, SLOT_QUEUED, generation);
             L->c.prefetched++;
             accepted++;
         }
         pthread_mutex_unlock(&L->mu);
     }
-    call_leave(s);
+    call_leave(&s->prefetch_calls);
     return accepted;
 }
 
@@ -815,7 +829,7 @@ static void free_store(LruStore *s) {
 static void lru_destroy_op(ColiExpertStore *store) {
     LruStore *s = store_of(store);
     if (!s) return;
-    assert(atomic_load(&s->active_leases) == 0 && "destroy with active leases (rule 5)");
+    assert(coli_lru_active_leases(store) == 0 && "destroy with active leases (rule 5)");
     free_store(s);
 }
 
@@ -867,7 +881,9 @@ static int build_layers(LruStore *s, const ColiLruConfig *cfg, char *err, size_t
         if (x->expert > max_expert[x->layer]) max_expert[x->layer] = x->expert;
     }
     for (int i = 0; i <= max_id; i++) s->n_layers += max_expert[i] >= 0;
-    s->layers = calloc((size_t)s->n_layers, sizeof(Layer));
+    /* aligned_alloc: Layer is cache-line aligned, calloc does not promise that */
+    s->layers = aligned_alloc(_Alignof(Layer), sizeof(Layer) * (size_t)s->n_layers);
+    if (s->layers) memset(s->layers, 0, sizeof(Layer) * (size_t)s->n_layers);
     if (!s->layers) {
         free(max_expert);
         return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d layers", s->n_layers);
@@ -949,7 +965,7 @@ static int build_slots(LruStore *s, const ColiLruConfig *cfg, char *err, size_t 
             v->mem = L->arena + (size_t)j * L->slot_bytes;
             v->expert = -1;
             v->state = SLOT_EMPTY;
-            v->generation = 1;    /* a zeroed view (generation 0) never matches */
+            v->generation = next_generation(s);   /* never 0: a zeroed view never matches */
             list_push_lru(L, v);
         }
         int rc = init_layer_sync(L, err, n);
@@ -993,7 +1009,8 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
     LruStore *s = store_of(store);
     if (!s) return coli_fail(err, n, COLI_EINVAL, "close: not an LRU expert store");
     if (atomic_exchange(&s->closed, 1)) return COLI_OK;   /* closed already */
-    uint64_t calls = atomic_load(&s->calls), leases = atomic_load(&s->active_leases);
+    uint64_t calls = atomic_load(&s->prefetch_calls), leases = coli_lru_active_leases(store);
+    for (int i = 0; i < s->n_layers; i++) calls += atomic_load(&s->layers[i].calls);
     if (calls || leases) {
         atomic_store(&s->closed, 0);
         return leases ? coli_fail(err, n, COLI_ELEASE,
@@ -1061,7 +1078,13 @@ int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
 
 uint64_t coli_lru_active_leases(ColiExpertStore *store) {
     LruStore *s = store_of(store);
-    return s ? atomic_load(&s->active_leases) : 0;
+    uint64_t total = 0;
+    for (int i = 0; s && i < s->n_layers; i++) {
+        pthread_mutex_lock(&s->layers[i].mu);
+        total += s->layers[i].leases;
+        pthread_mutex_unlock(&s->layers[i].mu);
+    }
+    return total;
 }
 
 int coli_lru_layer_slots(ColiExpertStore *store, int layer) {

@@ -15,6 +15,10 @@
  * the pool mutex while it holds one layer mutex, never the other way round,
  * and never holds two layer mutexes at once. No lock is held during a read.
  *
+ * GENERATIONS. Every slot tenancy (an expert loaded into a slot) gets a
+ * generation that is unique within the store and never reused, so a view's
+ * lease_generation names one tenancy of one slot.
+ *
  * ERRORS. Functions return 0 or a negative COLI_E* code; where a message
  * buffer is passed, a failure writes a NUL-terminated message naming what
  * and where (file, offset, errno) into it, truncated to its size.
