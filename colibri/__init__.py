@@ -18,6 +18,7 @@ from colibri.errors import (
     WaitTimeoutError,
 )
 from colibri.layouts import Layout
+from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import ExpertLease, LeaseGroup, Store, open_store
 
@@ -30,6 +31,8 @@ __all__ = [
     "LeaseGroup",
     "StoreStats",
     "Layout",
+    "Pilot",
+    "PilotReport",
     "ColibriError",
     "UnknownExpertError",
     "ExpertLoadError",

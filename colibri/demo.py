@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri.moe import moe_layer
+from colibri.moe import moe_layer, route
+from colibri.pilot import Pilot
 from colibri.stats import StoreStats
 from colibri.store import open_store
 from colibri.synthetic import write_synthetic_model
@@ -45,22 +46,24 @@ def run_demo(cfg: DemoConfig) -> StoreStats:
             cap = store.stats().capacity_bytes
             print(f"cache: {cfg.slots} slots per layer = {cap / 2**20:.1f} MiB, "
                   f"{cfg.prefetch_workers} prefetch workers, lookahead {'on' if cfg.lookahead else 'off'}")
-            layers = store.layers
+            pilot = Pilot(store, routers, top_k=cfg.top_k, enabled=cfg.lookahead)
             start = time.perf_counter()
             for _ in range(cfg.tokens):
                 x = rng.standard_normal((1, cfg.hidden)).astype(np.float32)
-                for i, layer in enumerate(layers):
-                    if cfg.lookahead and i + 1 < len(layers):
-                        # One-layer lookahead: the next router on this hidden state.
-                        nxt = layers[i + 1]
-                        guess = np.argsort(-(x @ routers[nxt].T)[0])[: cfg.top_k]
-                        store.prefetch([(nxt, int(e)) for e in guess])
+                for layer in store.layers:
+                    pilot.predict_next(layer, x)   # prefetch the next layer's likely experts
+                    experts, _ = route(routers[layer], x, cfg.top_k)
+                    pilot.observe(layer, experts.ravel().tolist())
                     y = moe_layer(store, layer, routers[layer], x, cfg.top_k)
                     x = x + y
                     x = x / np.sqrt((x * x).mean() + 1e-6)
             elapsed = time.perf_counter() - start
             stats = store.stats()
         print(f"decoded {cfg.tokens} tokens in {elapsed:.2f} s ({elapsed / cfg.tokens * 1e3:.1f} ms/token)")
+        if cfg.lookahead:
+            report = pilot.report()
+            print(f"lookahead: precision {report.precision:.1%}, recall {report.recall:.1%} "
+                  f"over {report.predictions} predictions")
         return stats
 
 

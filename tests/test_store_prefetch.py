@@ -158,3 +158,16 @@ def test_wait_idle_arguments(small_model):
         store.prefetch([(2, 1)])
         store.wait_idle(layer=2, timeout=30)
         assert store.stats().resident_bytes == small_model.expert_nbytes
+
+
+def test_close_with_prefetches_queued_and_running(small_model):
+    """Closing stops the workers: queued loads are dropped, running ones end
+    first; nothing hangs (run under ASan/TSan by .ci/sanitizers)."""
+    for workers in (1, 2, 4):
+        store = colibri.open_store(small_model.path, slots_per_layer=8, prefetch_workers=workers)
+        keys = [(layer, e) for layer in small_model.layers for e in range(small_model.n_experts)]
+        assert store.prefetch(keys) > 0
+        store.close()
+        assert store.closed
+        with pytest.raises(colibri.StoreClosedError):
+            store.prefetch(keys)
