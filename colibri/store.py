@@ -393,8 +393,14 @@ class Store:
     def __enter__(self) -> "Store":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way out: do not replace it with ours
+            self.close()
+        except LeaseError as err:
+            log.warning("store left open while an exception propagates: %s", err)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.layers)} layers"

@@ -418,3 +418,14 @@ def test_array_kept_after_release_method_stays_valid(small_model):
         assert store.active_leases == 0
         with store.lease(2, 1) as ex:
             assert_expert_matches(ex, want[(2, 1)])
+
+
+def test_exception_in_with_block_is_not_masked_by_close(small_model):
+    with pytest.raises(ZeroDivisionError):
+        with colibri.open_store(small_model.path, prefetch_workers=0) as store:
+            ex = store.lease(small_model.layers[0], 0)
+            1 / 0
+    assert not store.closed  # a lease is still held, so it stayed open
+    ex.release()
+    store.close()
+    assert store.closed
