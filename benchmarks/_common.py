@@ -190,6 +190,16 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def fadvise_dontneed(paths: Sequence[os.PathLike[str] | str]) -> None:
+    """Drops these files' pages from the page cache (POSIX_FADV_DONTNEED)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def drop_page_cache(paths: Sequence[os.PathLike[str] | str] = ()) -> str:
     """Empties the page cache: ``sync; echo 3 > drop_caches`` when permitted,
     else ``POSIX_FADV_DONTNEED`` on ``paths``. Returns the method used."""
@@ -199,12 +209,7 @@ def drop_page_cache(paths: Sequence[os.PathLike[str] | str] = ()) -> str:
             f.write("3\n")
         return "drop_caches"
     except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        fadvise_dontneed(paths)
         return "fadvise"
 
 

@@ -82,6 +82,9 @@ import numpy as np  # noqa: E402
 import colibri  # noqa: E402
 from colibri.pilot import Pilot  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fadvise_dontneed  # noqa: E402
+
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "decode_sim.json"
 MB = 1e6
 
@@ -154,15 +157,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def fadvise_dontneed(files) -> None:
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def warm_page_cache(files) -> None:

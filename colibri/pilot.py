@@ -57,8 +57,26 @@ def _ratio(num: int, den: int) -> float:
     return num / den if den else 0.0
 
 
+class _Scores:
+    """precision and recall of anything counting predicted, actual and correct experts."""
+
+    predicted: int
+    actual: int
+    correct: int
+
+    @property
+    def precision(self) -> float:
+        """correct / predicted (0.0 before any scored prediction)."""
+        return _ratio(self.correct, self.predicted)
+
+    @property
+    def recall(self) -> float:
+        """correct / actual (0.0 before any scored prediction)."""
+        return _ratio(self.correct, self.actual)
+
+
 @dataclass(frozen=True)
-class LayerAccuracy:
+class LayerAccuracy(_Scores):
     """Scored predictions of one MoE layer (the layer that was predicted).
 
     ``predicted`` and ``actual`` count experts (a batch counts its union
@@ -71,16 +89,6 @@ class LayerAccuracy:
     actual: int
     correct: int
     prefetch_accepted: int
-
-    @property
-    def precision(self) -> float:
-        """correct / predicted (0.0 before any scored prediction)."""
-        return _ratio(self.correct, self.predicted)
-
-    @property
-    def recall(self) -> float:
-        """correct / actual (0.0 before any scored prediction)."""
-        return _ratio(self.correct, self.actual)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -96,7 +104,7 @@ class LayerAccuracy:
 
 
 @dataclass(frozen=True)
-class PilotReport:
+class PilotReport(_Scores):
     """What a :class:`Pilot` predicted and how well (a snapshot).
 
     - ``predictions``: predictions scored by an ``observe`` of their layer.
@@ -122,14 +130,6 @@ class PilotReport:
     prefetch_requested: int
     prefetch_accepted: int
     per_layer: Mapping[int, LayerAccuracy]
-
-    @property
-    def precision(self) -> float:
-        return _ratio(self.correct, self.predicted)
-
-    @property
-    def recall(self) -> float:
-        return _ratio(self.correct, self.actual)
 
     def as_dict(self) -> dict[str, Any]:
         return {

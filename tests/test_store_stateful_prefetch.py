@@ -1,6 +1,7 @@
 """A model-based state machine over the whole Python API with prefetch on.
 
-Each example opens a store with a random budget and number of I/O workers,
+Each example opens one of several models (layouts, dtypes, shard counts,
+layer and expert counts differ) with a random budget and number of I/O workers,
 then interleaves leases, lease_many, releases, prefetches, waits for idle,
 misuse (use after release, release twice, close while leased) and a final
 close. With asynchronous loads the exact hit/miss sequence is not
@@ -30,10 +31,8 @@ from conftest import expected_experts
 pytestmark = pytest.mark.filterwarnings("error::ResourceWarning")
 
 
-def make_machine(model):
-    want = expected_experts(model)
-    layers = model.layers
-    n_experts = model.n_experts
+def make_machine(models):
+    wants = [expected_experts(m) for m in models]
 
     class PrefetchMachine(RuleBasedStateMachine):
         leases = Bundle("leases")
@@ -45,15 +44,23 @@ def make_machine(model):
             self.closed = False
             self.failed_requests = 0   # lookups refused as cache full: requests, not hits or misses
 
-        @initialize(slots=st.integers(1, 4), workers=st.integers(0, 3))
-        def open(self, slots: int, workers: int) -> None:
+        @initialize(m=st.integers(0, len(models) - 1), slots=st.integers(1, 4), workers=st.integers(0, 3))
+        def open(self, m: int, slots: int, workers: int) -> None:
+            model = models[m]
+            self.want = wants[m]
+            self.layers, self.n_experts = model.layers, model.n_experts
             self.store = colibri.open_store(model.path, slots_per_layer=slots, prefetch_workers=workers,
                                             slot_wait_timeout=0.0)
-            self.slots = slots
+            assert self.store.layers == self.layers
+            self.slots = min(slots, self.n_experts)
             self.workers = workers
 
+        def key(self, li: int, ei: int) -> tuple[int, int]:
+            """Maps raw draws onto the chosen model's keys."""
+            return self.layers[li % len(self.layers)], ei % self.n_experts
+
         def check(self, ex: colibri.ExpertLease) -> None:
-            expect = want[(ex.layer, ex.expert)]
+            expect = self.want[(ex.layer, ex.expert)]
             for role in ("gate", "up", "down"):
                 assert getattr(ex, role).tobytes() == expect[role].tobytes(), (ex, role)
 
@@ -61,8 +68,9 @@ def make_machine(model):
             return {ex.expert for ex in self.held if ex.layer == layer}
 
         @precondition(lambda self: not self.closed)
-        @rule(target=leases, layer=st.sampled_from(layers), expert=st.integers(0, n_experts - 1))
-        def lease(self, layer: int, expert: int):
+        @rule(target=leases, li=st.integers(0, 63), ei=st.integers(0, 63))
+        def lease(self, li: int, ei: int):
+            layer, expert = self.key(li, ei)
             held = self.held_in(layer)
             if expert not in held and len(held) >= self.slots:
                 with pytest.raises(colibri.CacheFullError):
@@ -75,8 +83,10 @@ def make_machine(model):
             return ex
 
         @precondition(lambda self: not self.closed)
-        @rule(layer=st.sampled_from(layers), experts=st.lists(st.integers(0, n_experts - 1), min_size=1, max_size=3))
-        def lease_many_and_release(self, layer: int, experts: list[int]) -> None:
+        @rule(li=st.integers(0, 63), eis=st.lists(st.integers(0, 63), min_size=1, max_size=3))
+        def lease_many_and_release(self, li: int, eis: list[int]) -> None:
+            layer = self.key(li, 0)[0]
+            experts = [self.key(li, e)[1] for e in eis]
             need = self.held_in(layer) | set(experts)
             if len(need) > self.slots:
                 before = self.store.active_leases
@@ -105,12 +115,14 @@ def make_machine(model):
                 ex.release()
 
         @precondition(lambda self: not self.closed)
-        @rule(keys=st.lists(st.tuples(st.sampled_from(layers + (-1, 99)), st.integers(-1, n_experts)), max_size=6))
-        def prefetch(self, keys: list[tuple[int, int]]) -> None:
+        @rule(raw=st.lists(st.tuples(st.integers(-1, 63), st.integers(-1, 63), st.booleans()), max_size=6))
+        def prefetch(self, raw: list[tuple[int, int, bool]]) -> None:
+            # Mostly valid keys, some out of range (negative, unknown layer, expert past the end).
+            keys = [self.key(li, ei) if ok and li >= 0 and ei >= 0 else (li, ei) for li, ei, ok in raw]
             before = self.store.stats()
             accepted = self.store.prefetch(keys)
             after = self.store.stats()
-            valid = [k for k in keys if k[0] in layers and 0 <= k[1] < n_experts]
+            valid = [k for k in keys if k[0] in self.layers and 0 <= k[1] < self.n_experts]
             assert 0 <= accepted <= len(valid)
             if self.workers == 0:
                 assert accepted == 0
@@ -142,8 +154,9 @@ def make_machine(model):
             self.closed = True
 
         @precondition(lambda self: self.closed)
-        @rule(layer=st.sampled_from(layers), expert=st.integers(0, n_experts - 1))
-        def calls_after_close_raise(self, layer: int, expert: int) -> None:
+        @rule(li=st.integers(0, 63), ei=st.integers(0, 63))
+        def calls_after_close_raise(self, li: int, ei: int) -> None:
+            layer, expert = self.key(li, ei)
             for call in (lambda: self.store.lease(layer, expert),
                          lambda: self.store.lease_many(layer, [expert]),
                          lambda: self.store.prefetch([(layer, expert)]),
@@ -181,5 +194,11 @@ def make_machine(model):
     return PrefetchMachine
 
 
-def test_prefetch_state_machine(tiny_model):
-    make_machine(tiny_model).TestCase().runTest()
+def test_prefetch_state_machine(tiny_model, model_factory):
+    models = [
+        tiny_model,
+        model_factory(layout="mixtral", n_layers=3, n_experts=5, hidden=24, intermediate=8, dtype="bfloat16"),
+        model_factory(layout="mlp_experts", n_layers=5, n_experts=3, hidden=8, intermediate=16,
+                      dtype="float16", dense_layers=1, shards=3, shared_experts=True),
+    ]
+    make_machine(models).TestCase().runTest()
