@@ -7,7 +7,9 @@ try:
 except ImportError as exc:  # pragma: no cover - only on a broken install
     raise ImportError(
         "colibri's C core is not built; install the package with `pip install .` "
-        "(it compiles csrc/ through cffi)"
+        "(it compiles csrc/ through cffi). From a source checkout, run `colibri` "
+        "rather than `python -m colibri`, or install with `pip install -e .`, so "
+        "that the uncompiled source folder does not shadow the installed package"
     ) from exc
 
 __all__ = ["ffi", "lib"]
