@@ -12,6 +12,7 @@ instead of silently reading another expert's bytes.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import threading
 import warnings
@@ -361,7 +362,7 @@ class Store:
         self._check_open()
         if layer is not None:
             self.model.num_experts(layer)
-        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        ns = _nanoseconds(timeout)
         rc = lib.coli_lru_wait_idle(self._handle, -1 if layer is None else layer, ns)
         if rc != 0:
             where = "the store" if layer is None else f"layer {layer}"
@@ -439,6 +440,15 @@ def _fill_source(dst: Any, ex: Any, role: str) -> None:
     dst.block_rows, dst.block_columns = ex.block_shape(role)
 
 
+def _nanoseconds(seconds: float | None) -> int:
+    """A timeout for C: -1 waits forever (None or infinity), else >= 0 ns."""
+    if seconds is None or math.isinf(seconds) and seconds > 0:
+        return -1
+    if not seconds >= 0:  # negative or NaN
+        raise FormatError(f"a timeout must be >= 0 seconds or None, got {seconds}")
+    return min(int(seconds * 1e9), 2**63 - 1)
+
+
 def _destroy_handle(handle: Any) -> None:
     # Reached from close() or from garbage collection of an unclosed store.
     # A store collected with leases alive (only possible in a reference cycle)
@@ -479,7 +489,7 @@ def _create_handle(
     cfg.prefetch_workers = prefetch_workers
     cfg.prefetch_queue_depth = prefetch_queue_depth
     cfg.direct_io = int(bool(direct_io))
-    cfg.slot_wait_timeout_ns = -1 if slot_wait_timeout is None else int(slot_wait_timeout * 1e9)
+    cfg.slot_wait_timeout_ns = _nanoseconds(slot_wait_timeout)
     out = ffi.new("ColiExpertStore **")
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)

@@ -429,3 +429,21 @@ def test_exception_in_with_block_is_not_masked_by_close(small_model):
     ex.release()
     store.close()
     assert store.closed
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e30])
+def test_huge_and_infinite_timeouts_mean_forever(small_model, timeout):
+    with colibri.open_store(small_model.path, prefetch_workers=1, slot_wait_timeout=timeout) as store:
+        store.prefetch([(small_model.layers[0], 0)])
+        store.wait_idle(timeout=timeout)
+        with store.lease(small_model.layers[0], 0):
+            pass
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("-inf")])
+def test_negative_or_nan_timeouts_are_refused(small_model, timeout):
+    with pytest.raises(colibri.FormatError):
+        colibri.open_store(small_model.path, slot_wait_timeout=timeout)
+    with colibri.open_store(small_model.path, prefetch_workers=0) as store:
+        with pytest.raises(colibri.FormatError):
+            store.wait_idle(timeout=timeout)
