@@ -315,6 +315,9 @@ class Pilot:
             return None
         actual = _expert_set(experts)
         correct = len(predicted & actual)
+        if predicted - actual:
+            # Wrong guesses: cancel their reads if still queued, evict them first if loaded.
+            self._store.retire_prefetches(layer, sorted(actual))
         c = self._layer_counts(layer)
         c.predictions += 1
         c.predicted += len(predicted)

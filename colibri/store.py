@@ -354,6 +354,18 @@ class Store:
             return 0
         return int(self._ops.prefetch(self._handle, ffi.new("ColiExpertKey[]", clean), len(clean)))
 
+    def retire_prefetches(self, layer: int, keep: Iterable[int] = ()) -> int:
+        """Say which experts of ``layer`` the engine really used: prefetches
+        of that layer for other experts were wrong guesses. Queued ones are
+        cancelled and loaded ones never hit are evicted first. Returns how
+        many were retired. :class:`colibri.Pilot` calls this from ``observe``.
+        """
+        self._check_open()
+        kept = [operator.index(e) for e in keep]
+        kept = [e for e in kept if 0 <= e <= _INT_MAX]
+        ids = ffi.new("int[]", kept) if kept else ffi.NULL
+        return int(lib.coli_lru_retire_prefetches(self._handle, operator.index(layer), ids, len(kept)))
+
     def wait_idle(self, layer: int | None = None, timeout: float | None = None) -> None:
         """Wait until no load is queued or in flight (in ``layer``, or anywhere).
 

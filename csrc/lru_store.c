@@ -1024,6 +1024,32 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
 
 /* ---- extras ---------------------------------------------------------- */
 
+int coli_lru_retire_prefetches(ColiExpertStore *store, int layer, const int *keep, int n_keep) {
+    LruStore *s = store_of(store);
+    Layer *L = s ? find_layer(s, layer) : NULL;
+    if (!L || n_keep < 0 || (n_keep > 0 && !keep)) return 0;
+    int retired = 0;
+    pthread_mutex_lock(&L->mu);
+    for (int j = 0; j < L->n_slots; j++) {
+        Slot *v = &L->slots[j];
+        if (!v->prefetched || (v->state != SLOT_QUEUED && (v->state != SLOT_RESIDENT || v->leases)))
+            continue;
+        bool kept = false;
+        for (int i = 0; i < n_keep && !kept; i++) kept = keep[i] == v->expert;
+        if (kept) continue;
+        if (v->state == SLOT_QUEUED) {
+            cancel_queued(s, L, v);
+        } else {                  /* resident, unleased, never hit: evict it first */
+            list_unlink(v);
+            list_push_lru(L, v);
+            v->prefetched = false;
+        }
+        retired++;
+    }
+    pthread_mutex_unlock(&L->mu);
+    return retired;
+}
+
 int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
     LruStore *s = store_of(store);
     if (!s) return coli_fail(err, n, COLI_EINVAL, "close: not an LRU expert store");

@@ -111,6 +111,14 @@ int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
  * still frees the rest. Closing twice is fine. */
 int coli_lru_close(ColiExpertStore *store, char *err, size_t err_len);
 
+/* Tells the store which experts of layer the engine really used, once it
+ * knows: prefetches of that layer for any other expert are wrong guesses.
+ * Queued ones are cancelled (their reads never start) and loaded ones that
+ * were never hit move to the LRU end, to be evicted first. Returns how many
+ * were retired; 0 for an unknown layer. */
+int coli_lru_retire_prefetches(ColiExpertStore *store, int layer, const int *keep,
+                               int n_keep);
+
 /* Waits until no load is queued or in flight in layer (layer < 0: in any
  * layer), at most timeout_ns (< 0: forever). Returns 0 or COLI_ETIMEOUT. */
 int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns);

@@ -25,6 +25,7 @@ class FakeStore:
         self._n = n_experts
         self.calls: list[list[tuple[int, int]]] = []
         self.seen: set[tuple[int, int]] = set()
+        self.retired: list[tuple[int, tuple[int, ...]]] = []
 
     def num_experts(self, layer):
         return self._n
@@ -38,6 +39,10 @@ class FakeStore:
 
     def lease_many(self, layer, experts):
         return ("leased", layer, tuple(experts))
+
+    def retire_prefetches(self, layer, keep):
+        self.retired.append((layer, tuple(keep)))
+        return 0
 
 
 def eye_routers(layers, n_experts, hidden):
@@ -292,3 +297,16 @@ def test_next_layer_router_is_100_percent_precise(synth, batch):
     assert all(acc.precision == 1.0 and acc.recall == 1.0 for acc in rep.per_layer.values())
     assert set(rep.per_layer) == set(synth.layers[1:])
     assert rep.unscored == 0
+
+
+def test_observe_retires_wrong_guesses_only():
+    store = FakeStore(layers=[0, 1], n_experts=8)
+    pilot = Pilot(store, eye_routers([0, 1], 8, 16), top_k=2)
+    h = np.zeros(16, dtype=np.float32)
+    h[[3, 5]] = [2.0, 1.0]
+    assert set(pilot.predict_next(0, h)) == {3, 5}
+    pilot.observe(1, [3, 5])                 # all right: nothing to retire
+    assert store.retired == []
+    pilot.predict_next(0, h)
+    pilot.observe(1, [3, 6])                 # 5 was a wrong guess
+    assert store.retired == [(1, (3, 6))]

@@ -171,3 +171,46 @@ def test_close_with_prefetches_queued_and_running(small_model):
         assert store.closed
         with pytest.raises(colibri.StoreClosedError):
             store.prefetch(keys)
+
+
+def test_retired_wrong_guesses_are_evicted_first(small_model):
+    layer = small_model.layers[0]
+    with colibri.open_store(small_model.path, slots_per_layer=4, prefetch_workers=1) as store:
+        with store.lease_many(layer, [0, 1]):
+            pass                                  # 0 and 1 resident, 1 most recent
+        assert store.prefetch([(layer, 2), (layer, 3)]) == 2
+        store.wait_idle(timeout=30)               # 2 and 3 resident, unhit prefetches at the MRU end
+        # The engine really used 2 (a hit) and not 3: 3 is retired to the LRU end.
+        with store.lease(layer, 2):
+            pass
+        assert store.retire_prefetches(layer, keep=[2]) == 1
+        before = store.stats()
+        with store.lease(layer, 4):               # a miss evicts the retired guess, not expert 0
+            pass
+        after = store.stats()
+        assert after.evictions == before.evictions + 1
+        hits_before = after.hits
+        with store.lease(layer, 0):               # still resident
+            pass
+        assert store.stats().hits == hits_before + 1
+        with store.lease(layer, 3):               # was evicted: a miss
+            pass
+        assert store.stats().misses == after.misses + 1
+        assert store.stats().prefetch_hits == 1   # only 2 was a prefetch hit
+
+
+def test_retire_cancels_queued_wrong_guesses(small_model):
+    layer = small_model.layers[-1]
+    with colibri.open_store(small_model.path, slots_per_layer=8, prefetch_workers=1) as store:
+        accepted = store.prefetch([(layer, e) for e in range(8)])
+        assert accepted == 8
+        retired = store.retire_prefetches(layer, keep=[0])
+        store.wait_idle(timeout=30)
+        s = store.stats()
+        # Whatever the worker had not started was cancelled; nothing was lost or left loading.
+        assert retired <= 7
+        assert s.loads_failed == 0
+        assert s.bytes_read <= (8 - retired) * small_model.expert_nbytes
+        with store.lease(layer, 0):
+            pass
+        assert store.retire_prefetches(99, keep=[]) == 0   # unknown layer: nothing

@@ -129,6 +129,15 @@ def make_machine(models):
             assert after.prefetched - before.prefetched == accepted
 
         @precondition(lambda self: not self.closed)
+        @rule(li=st.integers(0, 63), eis=st.lists(st.integers(0, 63), max_size=3))
+        def retire_prefetches(self, li: int, eis: list[int]) -> None:
+            layer = self.key(li, 0)[0]
+            retired = self.store.retire_prefetches(layer, [self.key(li, e)[1] for e in eis])
+            assert 0 <= retired <= self.slots
+            for ex in self.held:   # retiring never touches a leased slot
+                self.check(ex)
+
+        @precondition(lambda self: not self.closed)
         @rule()
         def wait_idle(self) -> None:
             self.store.wait_idle(timeout=30)

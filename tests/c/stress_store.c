@@ -57,6 +57,7 @@ static void *worker(void *p) {
             ColiExpertKey keys[3];
             for (int k = 0; k < 3; k++) keys[k] = (ColiExpertKey){layer, rand_r(&s) % (EXPERTS + 2) - 1};
             a->store->ops->prefetch(a->store, keys, 3);
+            if (op == 1) coli_lru_retire_prefetches(a->store, layer, &expert, 1);  /* the rest were wrong */
         } else if (op < 4) {
             int ids[2] = {expert, (expert + 3) % EXPERTS};
             ColiExpertView views[2];
