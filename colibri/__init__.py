@@ -9,6 +9,7 @@ bounded, leased RAM cache.
 
 from colibri.errors import (
     CacheFullError,
+    CacheMemoryError,
     ColibriError,
     ExpertLoadError,
     FormatError,
@@ -37,6 +38,7 @@ __all__ = [
     "UnknownExpertError",
     "ExpertLoadError",
     "CacheFullError",
+    "CacheMemoryError",
     "LeaseError",
     "StoreClosedError",
     "FormatError",

@@ -17,6 +17,7 @@ __all__ = [
     "StoreClosedError",
     "FormatError",
     "WaitTimeoutError",
+    "CacheMemoryError",
 ]
 
 
@@ -55,11 +56,16 @@ class WaitTimeoutError(ColibriError, TimeoutError):
     """A wait for outstanding loads ended at its timeout."""
 
 
+class CacheMemoryError(ColibriError, MemoryError):
+    """The cache's slot memory (or the store's bookkeeping) could not be allocated."""
+
+
 # C error codes of csrc/lru_store.h mapped to the classes above.
 _BY_CODE: dict[int, type[ColibriError]] = {
     -2: UnknownExpertError,
     -3: CacheFullError,
     -4: ExpertLoadError,
+    -5: CacheMemoryError,
     -6: FormatError,
     -7: LeaseError,
     -9: WaitTimeoutError,

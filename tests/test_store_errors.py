@@ -447,3 +447,18 @@ def test_negative_or_nan_timeouts_are_refused(small_model, timeout):
     with colibri.open_store(small_model.path, prefetch_workers=0) as store:
         with pytest.raises(colibri.FormatError):
             store.wait_idle(timeout=timeout)
+
+
+
+def test_c_error_codes_map_onto_the_exception_family():
+    from colibri.errors import error_for
+
+    expected = {-2: (colibri.UnknownExpertError, KeyError), -3: (colibri.CacheFullError,),
+                -4: (colibri.ExpertLoadError, OSError), -5: (colibri.CacheMemoryError, MemoryError),
+                -6: (colibri.FormatError, ValueError), -7: (colibri.LeaseError,),
+                -9: (colibri.WaitTimeoutError, TimeoutError), -10: (colibri.StoreClosedError,),
+                -1: (colibri.ColibriError,), -8: (colibri.ColibriError,)}
+    for code, classes in expected.items():
+        err = error_for(code, f"message {code}")
+        assert all(isinstance(err, c) for c in classes), (code, type(err))
+        assert str(err) == f"message {code}"
