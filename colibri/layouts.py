@@ -375,9 +375,9 @@ def _companions(tensors: Mapping[str, TensorInfo], weights: set[str],
             cut = name.find("_", cut + 1)
         else:
             # A scale whose weight is missing: report it instead of ignoring it.
-            suffix = layout.scale_suffix
-            if suffix and name.endswith(suffix):
-                base = name[: -len(suffix)]
+            scale_suffix = layout.scale_suffix
+            if scale_suffix and name.endswith(scale_suffix):
+                base = name[: -len(scale_suffix)]
                 if base not in weights and layout.match(base) is not None:
                     raise FormatError(
                         f"scale tensor {name!r} ({info.path}) has no weight {base!r}"

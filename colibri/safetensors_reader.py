@@ -454,15 +454,15 @@ def read_model_tensors(source: ModelSource) -> tuple[list[str], dict[str, Tensor
             merged[name] = info
     if shard_of is not None:
         for name, shard in shard_of.items():
-            info = merged.get(name)
-            if info is None:
+            found = merged.get(name)
+            if found is None:
                 raise FormatError(
                     f"{index_path}: maps tensor {name!r} to {shard}, "
                     "but that file does not hold it"
                 )
-            if info.path != shard:
+            if found.path != shard:
                 raise FormatError(
                     f"{index_path}: maps tensor {name!r} to {shard}, "
-                    f"but it is in {info.path}"
+                    f"but it is in {found.path}"
                 )
     return files, merged

@@ -44,7 +44,7 @@ import numpy as np
 __all__ = ["as_torch", "expert_tensors"]
 
 # numpy dtype -> (same-size integer dtype to export, torch dtype attribute name)
-_REINTERPRET = {
+_REINTERPRET: dict[np.dtype, tuple[np.dtype, str]] = {
     np.dtype(ml_dtypes.bfloat16): (np.dtype(np.uint16), "bfloat16"),
     np.dtype(ml_dtypes.float8_e4m3fn): (np.dtype(np.uint8), "float8_e4m3fn"),
     np.dtype(ml_dtypes.float8_e5m2): (np.dtype(np.uint8), "float8_e5m2"),
