@@ -312,7 +312,8 @@ static Slot *queued_slot(Layer *L) {
 }
 
 /* Cancels the queued prefetch in v (its job goes stale by generation) and
- * makes v an empty evictable slot. Caller holds L->mu. */
+ * makes v an empty evictable slot. Caller holds L->mu. Wakes waiters: one
+ * load fewer (wait_idle) and one free slot more (lookups). */
 static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
     L->entries[v->expert].slot = NULL;
     L->queued--;
@@ -323,6 +324,7 @@ static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
     v->prefetched = false;
     v->generation = next_generation(s);
     list_push_lru(L, v);
+    wake(L);
 }
 
 static void deadline_after(struct timespec *ts, int64_t ns) {
