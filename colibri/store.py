@@ -23,6 +23,7 @@ import numpy as np
 
 from colibri import _dtypes
 from colibri._ffi import ffi, lib
+from colibri._tenancy import Tenancy
 from colibri.errors import (
     FormatError,
     LeaseError,
@@ -79,8 +80,7 @@ class ExpertLease:
     A lease belongs to one thread at a time.
     """
 
-    __slots__ = ("_store", "layer", "expert", "_view", "_keepalive", "_memory",
-                 "_arrays", "_released", "_ended")
+    __slots__ = ("_store", "layer", "expert", "_view", "_keepalive", "_tenancy", "_released")
 
     def __init__(self, store: "Store", layer: int, expert: int, view: Any, keepalive: Any) -> None:
         self._store = store
@@ -89,8 +89,7 @@ class ExpertLease:
         self._view = view
         self._keepalive = keepalive
         self._released = False
-        self._memory: memoryview | None = None   # made with the first array
-        self._arrays: list[np.ndarray | None] | None = None
+        self._tenancy: Tenancy | None = None   # joined with the first array asked for
 
     @property
     def key(self) -> tuple[int, int]:
@@ -100,48 +99,14 @@ class ExpertLease:
     def released(self) -> bool:
         return self._released
 
-    def _anchor_memory(self) -> list[np.ndarray | None]:
-        """Builds the arrays over the slot's bytes, tied to the C lease.
-
-        They view a read-only memoryview over an ffi.gc anchor: from here the
-        C lease ends when the anchor dies, which is after release() drops our
-        reference and after the last array (or view of one) is gone.
-        """
-        store, view, keepalive = self._store, self._view, self._keepalive
-        layout = store._buffers.layout
-        lib.coli_view_layout(view, layout)
-        base, span, *offsets = ffi.unpack(layout, 8)
-        ended = self._ended = [False]
-
-        def end_lease(_ptr: Any) -> None:
-            store._release(view, keepalive)
-            ended[0] = True
-
-        anchor = ffi.gc(ffi.cast("char *", base), end_lease)
-        memory = self._memory = memoryview(ffi.buffer(anchor, span)).toreadonly()
-        arrays: list[np.ndarray | None] = []
-        for part, offset in zip(store._arrays[self.layer].parts, offsets):
-            if part is None:
-                arrays.append(None)
-                continue
-            # frombuffer keeps a read-only memoryview as base, so the flag
-            # cannot be flipped back to writeable (np.ndarray(buffer=) would
-            # expose the writable cffi buffer underneath).
-            dtype, shape, count = part
-            arr = np.frombuffer(memory, dtype=dtype, count=count, offset=offset)
-            arr.shape = shape
-            arrays.append(arr)
-        self._arrays = arrays
-        return arrays
-
     def _array(self, i: int) -> np.ndarray | None:
         if self._released:
             raise LeaseError(f"layer {self.layer} expert {self.expert}: .{_PART_NAMES[i]} used after "
                              "its lease was released")
-        arrays = self._arrays
-        if arrays is None:
-            arrays = self._anchor_memory()
-        return arrays[i]
+        tenancy = self._tenancy
+        if tenancy is None:
+            tenancy = self._tenancy = self._store._join_tenancy(self._view, self.layer)
+        return tenancy.arrays[i]
 
     @property
     def gate(self) -> np.ndarray:
@@ -177,20 +142,16 @@ class ExpertLease:
         if self._released:
             raise LeaseError(f"lease of layer {self.layer} expert {self.expert} was already released")
         self._released = True
-        if self._memory is None:           # no array was ever made: end it now
+        tenancy, self._tenancy = self._tenancy, None
+        if tenancy is None or not self._store._leave_tenancy(tenancy, self._view, self._keepalive):
             self._store._release(self._view, self._keepalive)
             return
-        self._arrays = None
-        self._memory = None
-        # With our references gone, refcounting ends the C lease right here
-        # unless an array (or a view of one) outlives the lease.
-        if not self._ended[0]:
-            warnings.warn(
-                f"arrays of expert {self.expert} of layer {self.layer} outlive their lease; "
-                "the cache slot stays leased until they are deleted",
-                ResourceWarning,
-                stacklevel=3,
-            )
+        warnings.warn(
+            f"arrays of expert {self.expert} of layer {self.layer} outlive their lease; "
+            "the cache slot stays leased until they are deleted",
+            ResourceWarning,
+            stacklevel=3,
+        )
 
     def __enter__(self) -> "ExpertLease":
         return self
@@ -241,6 +202,8 @@ class Store:
         self._closed = False
         self._buffers = _ThreadBuffers()
         self._free_views: list[Any] = []  # released views, reused by lease()
+        self._tenancies: dict[int, Tenancy] = {}  # by generation: arrays shared by leases
+        self._tenancy_lock = threading.Lock()     # guards _tenancies and Tenancy.active
         self._arrays = {layer: _layer_arrays(model, layer) for layer in model.layers}
         self._handle = _create_handle(
             model,
@@ -252,6 +215,8 @@ class Store:
             prefetch_queue_depth=prefetch_queue_depth,
         )
         self._ops = self._handle.ops
+        # A tenancy per slot is enough to keep every hot expert's arrays.
+        self._tenancy_limit = 2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16
         self.prefetch_workers = prefetch_workers
         if direct_io and lib.coli_lru_direct_io_fallback(self._handle):
             log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
@@ -325,6 +290,46 @@ class Store:
         err = self._buffers.err
         _check(lib.coli_lru_lookup_many(self._handle, layer, ids, len(wanted), views, err, _ERR_LEN), err)
         return LeaseGroup(ExpertLease(self, layer, e, views + i, views) for i, e in enumerate(wanted))
+
+    def _join_tenancy(self, view: Any, layer: int) -> Tenancy:
+        """The cached arrays of view's tenancy (built on first use), counted
+        as used by one more lease."""
+        generation = int(view.lease_generation)
+        with self._tenancy_lock:
+            tenancy = self._tenancies.get(generation)
+            if tenancy is not None:
+                tenancy.active += 1
+                return tenancy
+        layout = self._buffers.layout
+        lib.coli_view_layout(view, layout)
+        base, _span, *offsets = ffi.unpack(layout, 8)
+        built = Tenancy(generation, base, offsets, self._arrays[layer].parts)
+        with self._tenancy_lock:
+            tenancy = self._tenancies.setdefault(generation, built)
+            tenancy.active += 1
+            if len(self._tenancies) > self._tenancy_limit:
+                self._prune_tenancies()
+        return tenancy
+
+    def _prune_tenancies(self) -> None:
+        # Oldest first; a tenancy no lease uses is unreachable from outside
+        # (checked when its last lease ended), so dropping it is always safe.
+        # Caller holds _tenancy_lock.
+        for generation in [g for g, t in self._tenancies.items() if t.active == 0][: len(self._tenancies) // 2]:
+            del self._tenancies[generation]
+
+    def _leave_tenancy(self, tenancy: Tenancy, view: Any, keepalive: Any) -> bool:
+        """A lease that used tenancy's arrays ends. Returns False when the
+        caller may end the C lease now; True when its arrays escaped, in which
+        case the C lease now ends with the last of them."""
+        with self._tenancy_lock:
+            tenancy.active -= 1
+            if tenancy.active or not tenancy.escaped():
+                return False  # another lease still pins the slot, or nothing escaped
+            if self._tenancies.get(tenancy.generation) is tenancy:
+                del self._tenancies[tenancy.generation]
+        tenancy.defer(lambda: self._release(view, keepalive))
+        return True
 
     def _release(self, view: Any, keepalive: Any) -> None:
         """Ends the C lease of view (from release(), or when its anchor dies)."""
