@@ -407,6 +407,8 @@ class Store:
         err = self._buffers.err
         _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
+        with self._tenancy_lock:
+            self._tenancies.clear()  # their addresses point into freed slot memory now
 
     def __enter__(self) -> "Store":
         return self
