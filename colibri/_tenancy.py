@@ -72,7 +72,7 @@ class Tenancy:
     __slots__ = ("generation", "arrays", "active", "_pin", "_chain", "_baseline")
 
     def __init__(self, generation: int, base: int, offsets: list[int],
-                 parts: tuple[tuple[np.dtype, tuple[int, int], int] | None, ...]) -> None:
+                 parts: tuple[tuple[np.dtype, tuple[int, int]] | None, ...]) -> None:
         self.generation = generation
         self.active = 0
         pin = self._pin = _Pin()
@@ -82,7 +82,7 @@ class Tenancy:
             if part is None:
                 arrays.append(None)
             else:
-                dtype, shape, _count = part
+                dtype, shape = part
                 arrays.append(_read_only_array(base + offset, shape, dtype, pin, chain))
         self.arrays = tuple(arrays)
         self._chain = chain

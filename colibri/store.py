@@ -2,11 +2,11 @@
 
 The layer is thin on purpose: every lookup, release and prefetch is one call
 into C (which releases the GIL while it may block). What Python adds is
-lifetime safety. A lease's arrays are numpy views over the slot's memory, and
-the C lease is tied to the life of those views: it is released when the
-lease has ended *and* no array built from it is alive any more. So an array
-kept past its ``with`` block stays valid (and a ``ResourceWarning`` says so)
-instead of silently reading another expert's bytes.
+lifetime safety. A lease's arrays are numpy views over the slot's memory,
+shared by every lease of the same slot tenancy (colibri/_tenancy.py), and the
+C lease ends only when the lease has ended *and* no array from it is alive any
+more. So an array kept past its ``with`` block stays valid (and a
+``ResourceWarning`` says so) instead of silently reading another expert's bytes.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class _LayerArrays:
     scale, indexed like coli_view_layout's offsets (gate, up, down, then their
     scales; None where a role is unscaled). All experts of a layer agree."""
 
-    parts: tuple[tuple[np.dtype, tuple[int, int], int] | None, ...]  # dtype, shape, element count
+    parts: tuple[tuple[np.dtype, tuple[int, int]] | None, ...]
 
 
 _PART_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
@@ -366,10 +366,12 @@ class Store:
         many were retired. :class:`colibri.Pilot` calls this from ``observe``.
         """
         self._check_open()
-        kept = [operator.index(e) for e in keep]
-        kept = [e for e in kept if 0 <= e <= _INT_MAX]
+        layer = operator.index(layer)
+        kept = [e for e in map(operator.index, keep) if 0 <= e <= _INT_MAX]
+        if not 0 <= layer <= _INT_MAX:
+            return 0  # no such layer: nothing to retire, as in C
         ids = ffi.new("int[]", kept) if kept else ffi.NULL
-        return int(lib.coli_lru_retire_prefetches(self._handle, operator.index(layer), ids, len(kept)))
+        return int(lib.coli_lru_retire_prefetches(self._handle, layer, ids, len(kept)))
 
     def wait_idle(self, layer: int | None = None, timeout: float | None = None) -> None:
         """Wait until no load is queued or in flight (in ``layer``, or anywhere).
@@ -429,7 +431,7 @@ class Store:
 
 def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
     ex = model.expert(layer, next(iter(model.experts[layer])))
-    parts: list[tuple[np.dtype, tuple[int, int], int] | None] = []
+    parts: list[tuple[np.dtype, tuple[int, int]] | None] = []
     for info in [ex.weight(r) for r in _ROLES] + [ex.scale(r) for r in _ROLES]:
         if info is None:
             parts.append(None)
@@ -437,7 +439,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
         dt = _dtypes.lookup(info.dtype)
         assert dt is not None and dt.numpy is not None
         rows, cols = info.shape
-        parts.append((np.dtype(dt.numpy), (rows, cols), rows * cols))
+        parts.append((np.dtype(dt.numpy), (rows, cols)))
     return _LayerArrays(tuple(parts))
 
 
@@ -556,8 +558,7 @@ def open_store(
         slots_per_layer = DEFAULT_SLOTS_PER_LAYER
     prefetch_workers = _count(prefetch_workers, "prefetch_workers", minimum=0)
     prefetch_queue_depth = _count(prefetch_queue_depth, "prefetch_queue_depth", minimum=0)
-    if slot_wait_timeout is not None and not slot_wait_timeout >= 0:
-        raise FormatError(f"slot_wait_timeout must be >= 0 seconds or None, got {slot_wait_timeout}")
+    _nanoseconds(slot_wait_timeout)  # refuse a bad timeout before reading any file
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
     return Store(
         model,

@@ -214,3 +214,9 @@ def test_retire_cancels_queued_wrong_guesses(small_model):
         with store.lease(layer, 0):
             pass
         assert store.retire_prefetches(99, keep=[]) == 0   # unknown layer: nothing
+
+
+def test_retire_of_out_of_range_layers_and_experts_retires_nothing(small_model):
+    with colibri.open_store(small_model.path, prefetch_workers=1) as store:
+        assert store.retire_prefetches(2**40, keep=[2**40, -1]) == 0
+        assert store.retire_prefetches(-1) == 0
