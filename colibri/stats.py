@@ -30,6 +30,8 @@ class StoreStats:
     evictions: int
     slot_waits: int
     peak_inflight: int
+    #: prefetch read chunks that paused for a demand read (``demand_first``)
+    prefetch_pauses: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -42,8 +44,11 @@ class StoreStats:
         return self.prefetch_hits / self.prefetched if self.prefetched else 0.0
 
     @classmethod
-    def from_c(cls, c_stats: Any) -> "StoreStats":
-        return cls(**{f.name: int(getattr(c_stats, f.name)) for f in fields(cls)})
+    def from_c(cls, c_stats: Any, **extra: int) -> "StoreStats":
+        """From a ColiExpertStoreStats, plus counters kept outside it."""
+        found = {f.name: int(getattr(c_stats, f.name)) for f in fields(cls)
+                 if f.name not in extra and hasattr(c_stats, f.name)}
+        return cls(**found, **extra)
 
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -197,6 +197,8 @@ class Store:
         direct_io: bool,
         slot_wait_timeout: float | None,
         prefetch_queue_depth: int = 0,
+        demand_first: bool = True,
+        prefetch_chunk_bytes: int = 0,
     ) -> None:
         self.model = model
         self._closed = False
@@ -213,6 +215,8 @@ class Store:
             direct_io=direct_io,
             slot_wait_timeout=slot_wait_timeout,
             prefetch_queue_depth=prefetch_queue_depth,
+            demand_first=demand_first,
+            prefetch_chunk_bytes=prefetch_chunk_bytes,
         )
         self._ops = self._handle.ops
         # A tenancy per slot is enough to keep every hot expert's arrays.
@@ -394,12 +398,21 @@ class Store:
         self._check_open()
         out = ffi.new("ColiExpertStoreStats *")
         self._ops.stats(self._handle, out)
-        return StoreStats.from_c(out)
+        return StoreStats.from_c(out, prefetch_pauses=int(lib.coli_lru_prefetch_pauses(self._handle)))
 
     def _inject_read_fault(self, nth: int, errno_value: int) -> None:
         """Test hook: make the nth read from now fail with errno_value (0 disarms)."""
         self._check_open()
         lib.coli_lru_inject_read_fault(self._handle, nth, errno_value)
+
+    def _hold_prefetch_reads(self, hold: bool) -> None:
+        """Test hook: while held, begun prefetch reads wait before each chunk."""
+        self._check_open()
+        lib.coli_lru_hold_prefetch_reads(self._handle, int(bool(hold)))
+
+    def _held_prefetch_reads(self) -> int:
+        """Test hook: prefetch reads waiting on the hold now."""
+        return int(lib.coli_lru_held_prefetch_reads(self._handle))
 
     def close(self) -> None:
         """Free the cache memory. Refuses (LeaseError) while leases are held
@@ -489,6 +502,8 @@ def _create_handle(
     direct_io: bool,
     slot_wait_timeout: float | None,
     prefetch_queue_depth: int,
+    demand_first: bool,
+    prefetch_chunk_bytes: int,
 ) -> Any:
     keys = list(model.keys())
     sources = ffi.new("ColiExpertSource[]", len(keys))
@@ -511,6 +526,8 @@ def _create_handle(
     cfg.prefetch_queue_depth = prefetch_queue_depth
     cfg.direct_io = int(bool(direct_io))
     cfg.slot_wait_timeout_ns = _nanoseconds(slot_wait_timeout)
+    cfg.prefetch_never_pauses = int(not demand_first)
+    cfg.prefetch_chunk_bytes = prefetch_chunk_bytes
     out = ffi.new("ColiExpertStore **")
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)
@@ -536,6 +553,8 @@ def open_store(
     direct_io: bool = False,
     slot_wait_timeout: float | None = 5.0,
     prefetch_queue_depth: int = 0,
+    demand_first: bool = True,
+    prefetch_chunk_bytes: int = 0,
 ) -> Store:
     """Open a model's routed experts as a leased, per-layer LRU cache.
 
@@ -547,6 +566,11 @@ def open_store(
     ``prefetch_workers`` I/O threads serve ``prefetch`` (0 turns it off).
     ``slot_wait_timeout`` is how long (seconds; None = forever) a lookup waits
     when every slot of its layer is leased before CacheFullError.
+    ``demand_first`` (the default) makes running prefetch reads pause
+    before each chunk of ``prefetch_chunk_bytes`` (0: 1 MiB; at least 64 KiB)
+    while a lookup reads a missing expert, so that a miss shares the disk
+    with at most one chunk per worker; False lets them share it (for
+    comparisons).
     """
     if slots_per_layer is not None and capacity_bytes is not None:
         raise FormatError("give slots_per_layer or capacity_bytes, not both")
@@ -558,6 +582,7 @@ def open_store(
         slots_per_layer = DEFAULT_SLOTS_PER_LAYER
     prefetch_workers = _count(prefetch_workers, "prefetch_workers", minimum=0)
     prefetch_queue_depth = _count(prefetch_queue_depth, "prefetch_queue_depth", minimum=0)
+    prefetch_chunk_bytes = _count(prefetch_chunk_bytes, "prefetch_chunk_bytes", minimum=0)
     _nanoseconds(slot_wait_timeout)  # refuse a bad timeout before reading any file
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
     return Store(
@@ -568,4 +593,6 @@ def open_store(
         direct_io=direct_io,
         slot_wait_timeout=slot_wait_timeout,
         prefetch_queue_depth=prefetch_queue_depth,
+        demand_first=bool(demand_first),
+        prefetch_chunk_bytes=min(prefetch_chunk_bytes, 1 << 40),
     )

@@ -234,6 +234,7 @@ static bool fault_fires(ColiFaultHook *fault) {
 
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                      unsigned char *slot, ColiFaultHook *fault,
+                     const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len) {
     *bytes_read = 0;
     for (int i = 0; i < plan->n_runs; i++) {
@@ -242,12 +243,16 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
         uint64_t done = 0;
         while (done < rr->length) {
             ssize_t got;
+            uint64_t want = rr->length - done;
+            if (pacer) {
+                if (!pacer->pause(pacer->ctx)) return COLI_READ_STOPPED;
+                if (want > pacer->chunk) want = pacer->chunk;
+            }
             if (fault_fires(fault)) {
                 errno = atomic_load(&fault->errno_value);
                 got = -1;
             } else {
-                got = pread(fd, slot + rr->slot_offset + done, rr->length - done,
-                            (off_t)(rr->file_offset + done));
+                got = pread(fd, slot + rr->slot_offset + done, want, (off_t)(rr->file_offset + done));
             }
             if (got < 0) {
                 int e = errno;

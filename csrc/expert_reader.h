@@ -71,10 +71,25 @@ int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
 int coli_plan_expert(const ColiExpertSource *src, bool direct,
                      ColiReadPlan *plan, char *err, size_t err_len);
 
-/* Reads every run of plan into slot memory. *bytes_read gets the bytes that
- * arrived, also on failure. A failure names file, offset and errno. */
+/* Paces a background read: it is issued in chunks of `chunk` bytes (a
+ * multiple of COLI_IO_ALIGN) and pause(ctx) runs before each one, so that
+ * the caller can hold it back while more urgent reads use the disk, or stop
+ * it (pause returns false) when its bytes are no longer wanted. */
+typedef struct {
+    uint64_t chunk;
+    bool (*pause)(void *ctx);
+    void *ctx;
+} ColiReadPacer;
+
+#define COLI_READ_STOPPED 1       /* coli_read_expert: the pacer stopped the read */
+
+/* Reads every run of plan into slot memory, paced when pacer is not NULL
+ * (else one pread per run). Returns COLI_OK, a negative COLI_E* code, or
+ * COLI_READ_STOPPED. *bytes_read gets the bytes that arrived, also on
+ * failure. A failure names file, offset and errno. */
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                      unsigned char *slot, ColiFaultHook *fault,
+                     const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len);
 
 /* snprintf into err (if any) and return code. */

@@ -49,6 +49,9 @@
 #define MAX_LAYER_ID 1000000
 #define MAX_EXPERT_ID 1000000
 #define ERRLEN 512
+#define DEFAULT_PREFETCH_CHUNK (1ull << 20)   /* a prefetch read can yield to demand reads this often */
+#define MIN_PREFETCH_CHUNK (64ull << 10)
+#define PAUSE_LIMIT_NS 50000000ll     /* longest a prefetch chunk waits for demand reads */
 
 typedef enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_READING, SLOT_RESIDENT } SlotState;
 
@@ -63,6 +66,8 @@ struct Slot {
     SlotState state;
     bool on_list;                 /* on the layer's LRU list */
     bool prefetched;              /* loaded by prefetch and not hit yet */
+    _Atomic bool demanded;        /* a lookup waits for this load: it must not pause */
+    _Atomic bool retired;         /* a prefetch known to be a wrong guess: stop reading it */
     uint32_t leases;              /* active leases; > 0 only when RESIDENT */
     uint64_t generation;          /* bumped whenever the slot is repurposed */
     /* A READING slot of a lease_many batch may be read by an I/O worker;
@@ -127,6 +132,18 @@ typedef struct {
     _Atomic uint64_t prefetch_calls;  /* prefetches in progress (close guard) */
     _Atomic uint64_t generations; /* source of slot generations: unique in the store */
     _Atomic int closed;           /* set by coli_lru_close: slot memory is gone */
+    /* Demand first: prefetch reads go in chunks and, before each chunk,
+     * wait while a demand read is in progress (at most PAUSE_LIMIT_NS), so
+     * a miss gets the disk to itself instead of a share of it. */
+    bool demand_first;
+    uint64_t prefetch_chunk;          /* bytes, a multiple of COLI_IO_ALIGN */
+    _Atomic uint32_t demand_reads;    /* demand reads in progress, all layers */
+    _Atomic uint64_t prefetch_pauses; /* chunks that waited */
+    pthread_mutex_t gate_mu;          /* a leaf lock: paused prefetch reads wait on gate_cv */
+    pthread_cond_t gate_cv;
+    bool gate_ready;
+    _Atomic int hold_prefetch;        /* test hook: prefetch reads wait before each chunk */
+    _Atomic uint32_t held;            /* prefetch reads waiting on that hook now */
 } LruStore;
 
 static const ColiExpertStoreOps LRU_OPS;
@@ -204,6 +221,64 @@ static void wake(Layer *L) {
     if (L->waiters > 0) pthread_cond_broadcast(&L->cv);
 }
 
+static void deadline_after(struct timespec *ts, int64_t ns);
+
+static void gate_wake(LruStore *s) {
+    pthread_mutex_lock(&s->gate_mu);
+    pthread_cond_broadcast(&s->gate_cv);
+    pthread_mutex_unlock(&s->gate_mu);
+}
+
+/* Bracket every read a lookup waits for. */
+static void demand_begin(LruStore *s) { atomic_fetch_add(&s->demand_reads, 1); }
+
+static void demand_end(LruStore *s) {
+    if (atomic_fetch_sub(&s->demand_reads, 1) == 1 && s->demand_first) gate_wake(s);
+}
+
+/* A lookup now waits for the load of v (READING): it must run unpaused. */
+static void demand_join(LruStore *s, Slot *v) {
+    if (!atomic_exchange(&v->demanded, true) && s->demand_first) gate_wake(s);
+}
+
+static void set_hold(LruStore *s, int hold) {
+    atomic_store(&s->hold_prefetch, hold != 0);
+    if (!hold) gate_wake(s);
+}
+
+typedef struct {
+    LruStore *s;
+    Slot *v;
+} PrefetchPace;
+
+/* Before each chunk of a prefetch read: stop if it was retired as a wrong
+ * guess (and no lookup waits for it); else wait while demand reads run,
+ * unless a lookup waits for this very load. The flags are read again under
+ * gate_mu, which their writers take before they broadcast, so no wake-up is
+ * lost. */
+static bool prefetch_pause(void *ctx) {
+    const PrefetchPace *p = ctx;
+    LruStore *s = p->s;
+    if (atomic_load(&s->hold_prefetch)) {
+        pthread_mutex_lock(&s->gate_mu);
+        atomic_fetch_add(&s->held, 1);
+        while (atomic_load(&s->hold_prefetch)) pthread_cond_wait(&s->gate_cv, &s->gate_mu);
+        atomic_fetch_sub(&s->held, 1);
+        pthread_mutex_unlock(&s->gate_mu);
+    }
+    if (atomic_load(&p->v->demanded)) return true;
+    if (atomic_load(&p->v->retired)) return false;
+    if (!s->demand_first || !atomic_load(&s->demand_reads)) return true;
+    atomic_fetch_add(&s->prefetch_pauses, 1);
+    struct timespec deadline;
+    deadline_after(&deadline, PAUSE_LIMIT_NS);
+    pthread_mutex_lock(&s->gate_mu);
+    while (atomic_load(&s->demand_reads) && !atomic_load(&p->v->demanded))
+        if (pthread_cond_timedwait(&s->gate_cv, &s->gate_mu, &deadline) == ETIMEDOUT) break;
+    pthread_mutex_unlock(&s->gate_mu);
+    return !atomic_load(&p->v->retired) || atomic_load(&p->v->demanded);
+}
+
 /* Gives slot v to entry e in state st: drops whatever v held (counting an
  * eviction) and gives it the new generation (from next_generation()).
  * Caller holds L->mu; v is on the list. */
@@ -219,6 +294,8 @@ static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, Slot
     v->expert = expert;
     v->state = st;
     v->prefetched = (st == SLOT_QUEUED);
+    atomic_store(&v->demanded, false);
+    atomic_store(&v->retired, false);
     e->slot = v;
     L->loading++;
     if (st == SLOT_QUEUED) L->queued++;
@@ -226,11 +303,13 @@ static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, Slot
     inflight_up(s);
 }
 
-/* Ends the load of slot v (READING): on success it becomes RESIDENT with
- * `leases` leases; on failure it becomes EMPTY at the LRU end. Caller holds
+/* Ends the load of slot v (READING) with the read's result rc: on success
+ * it becomes RESIDENT with `leases` leases; on failure, or when the read was
+ * stopped (not a failure), it becomes EMPTY at the LRU end. Caller holds
  * L->mu. */
-static void finish_load(LruStore *s, Layer *L, Slot *v, bool ok, uint64_t nread, uint32_t leases) {
+static void finish_load(LruStore *s, Layer *L, Slot *v, int rc, uint64_t nread, uint32_t leases) {
     Entry *e = &L->entries[v->expert];
+    bool ok = rc == COLI_OK;
     L->c.bytes_read += nread;
     L->loading--;
     atomic_fetch_sub(&s->inflight, 1);
@@ -241,7 +320,7 @@ static void finish_load(LruStore *s, Layer *L, Slot *v, bool ok, uint64_t nread,
         if (leases == 0) list_push_mru(L, v);
         else L->leases += leases;
     } else {
-        L->c.loads_failed++;
+        if (rc != COLI_READ_STOPPED) L->c.loads_failed++;
         e->slot = NULL;
         v->expert = -1;
         v->state = SLOT_EMPTY;
@@ -297,9 +376,11 @@ static int demand_read(LruStore *s, Layer *L, Slot *v, ColiExpertView *view, cha
     Entry *e = &L->entries[v->expert];
     uint64_t nread = 0;
     pthread_mutex_unlock(&L->mu);
-    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &nread, err, n);
+    demand_begin(s);
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, NULL, &nread, err, n);
+    demand_end(s);
     pthread_mutex_lock(&L->mu);
-    finish_load(s, L, v, rc == COLI_OK, nread, 1);
+    finish_load(s, L, v, rc, nread, 1);
     if (rc == COLI_OK) fill_view(view, L, v);
     return rc;
 }
@@ -325,6 +406,33 @@ static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
     v->generation = next_generation(s);
     list_push_lru(L, v);
     wake(L);
+}
+
+/* Gives the entry's expert, which is neither resident nor being read, a
+ * slot to read it into, marked READING: its own queued prefetch, taken over
+ * (the worker will find it READING and skip the job), else the LRU victim,
+ * else another expert's queued prefetch, cancelled. Counts the request.
+ * NULL when no slot is free now. Caller holds L->mu. */
+static Slot *claim_slot(LruStore *s, Layer *L, Entry *e, int expert) {
+    Slot *v = e->slot;
+    if (v) {
+        assert(v->state == SLOT_QUEUED);
+        v->state = SLOT_READING;
+        L->queued--;
+        L->c.requests++;
+        L->c.hits++;
+        L->c.inflight_joins++;
+        L->c.prefetch_hits++;
+        v->prefetched = false;
+        return v;
+    }
+    v = list_victim(L);
+    if (!v && (v = queued_slot(L)) != NULL) cancel_queued(s, L, v);
+    if (!v) return NULL;
+    repurpose(s, L, v, e, expert, SLOT_READING, next_generation(s));
+    L->c.requests++;
+    L->c.misses++;
+    return v;
 }
 
 static void deadline_after(struct timespec *ts, int64_t ns) {
@@ -409,36 +517,18 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
             pthread_mutex_unlock(&L->mu);
             return COLI_OK;
         }
-        if (v && v->state == SLOT_QUEUED) {
-            /* Take the queued prefetch over rather than wait behind the queue;
-             * the worker will find the slot READING and skip the job. */
-            v->state = SLOT_READING;
-            L->queued--;
-            L->c.requests++;
-            L->c.hits++;
-            L->c.inflight_joins++;
-            L->c.prefetch_hits++;
-            v->prefetched = false;
-            int rc = demand_read(s, L, v, view, err, n);
-            pthread_mutex_unlock(&L->mu);
-            return rc;
-        }
-        if (v) {                  /* READING elsewhere: join that load */
+        if (v && v->state == SLOT_READING) {   /* join that load */
             if (!joined) L->c.inflight_joins++;
             joined = true;
+            demand_join(s, v);
             layer_wait(L, NULL);
             continue;
         }
-        Slot *victim = list_victim(L);
-        if (!victim && L->queued > 0) {
-            victim = queued_slot(L);
-            cancel_queued(s, L, victim);
-        }
-        if (victim) {
-            repurpose(s, L, victim, e, expert, SLOT_READING, next_generation(s));
-            L->c.requests++;
-            L->c.misses++;
-            int rc = demand_read(s, L, victim, view, err, n);
+        /* Missing, or a queued prefetch we take over rather than wait
+         * behind the queue for. */
+        Slot *mine = claim_slot(s, L, e, expert);
+        if (mine) {
+            int rc = demand_read(s, L, mine, view, err, n);
             pthread_mutex_unlock(&L->mu);
             return rc;
         }
@@ -520,14 +610,16 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
     if (count == 0) return COLI_OK;
     Layer *L = find_layer(s, layer);
     if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
-    /* first[i]: index of the first occurrence of experts[i] */
-    int *first = malloc(sizeof(int) * (size_t)count);
+    /* first[i]: index of the first occurrence of experts[i]; at[k]: the
+     * index whose expert reading[k] loads */
+    int *first = malloc(sizeof(int) * 2 * (size_t)count);
     Slot **reading = malloc(sizeof(Slot *) * (size_t)count);
     if (!first || !reading) {
         free(first);
         free(reading);
         return coli_fail(err, n, COLI_ENOMEM, "lookup_many: out of memory for %d experts", count);
     }
+    int *at = first + count;
     int distinct = 0, rc = COLI_OK;
     for (int i = 0; i < count && rc == COLI_OK; i++) {
         if (!find_entry(L, experts[i]))
@@ -548,27 +640,18 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
         return rc;
     }
 
+    pthread_mutex_lock(&L->mu);
+    bool joined = false;
+restart:;
     /* Never hold a lease while waiting for a release (two batches could each
      * hold what the other needs): wait until the whole batch fits, then take
      * every slot at once, then read the missing experts. */
-    pthread_mutex_lock(&L->mu);
-    bool full_wait = false, joined = false;
+    bool full_wait = false, again = false;
     struct timespec deadline;
     for (;;) {
         int missing = 0;
-        bool in_flight = false;
-        for (int i = 0; i < count; i++) {
-            if (first[i] != i) continue;
-            Slot *v = L->entries[experts[i]].slot;
-            if (!v) missing++;
-            else if (v->state == SLOT_READING) in_flight = true;
-        }
-        if (in_flight) {          /* join a load of ours first, holding nothing */
-            if (!joined) L->c.inflight_joins++;
-            joined = true;
-            layer_wait(L, NULL);
-            continue;
-        }
+        for (int i = 0; i < count; i++)
+            missing += first[i] == i && !L->entries[experts[i]].slot;
         /* Slots the batch may take: evictable ones except those holding its
          * own resident experts, plus other experts' queued prefetches. */
         int room = 0;
@@ -607,7 +690,8 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
 
     /* Commit in three passes: resident experts leave the list, then our
      * queued prefetches are taken over, and only then are victims chosen,
-     * so a victim is never one of the batch's own experts. */
+     * so a victim is never one of the batch's own experts. Experts another
+     * thread is loading are joined after our own reads. */
     int n_reading = 0;
     for (int pass = 0; pass < 3; pass++) {
         for (int i = 0; i < count; i++) {
@@ -616,28 +700,12 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
             Slot *v = e->slot;
             if (pass == 0) {
                 if (v && v->state == SLOT_RESIDENT) lease_hit(L, v, &views[i]);
+                else if (v && v->state == SLOT_READING) demand_join(s, v);
                 continue;
             }
             if (v ? v->state != SLOT_QUEUED || pass != 1 : pass != 2) continue;
-            L->c.requests++;
-            if (v) {              /* QUEUED: take the prefetch over */
-                v->state = SLOT_READING;
-                L->queued--;
-                L->c.hits++;
-                L->c.inflight_joins++;
-                L->c.prefetch_hits++;
-                v->prefetched = false;
-            } else {
-                Slot *victim = list_victim(L);
-                if (!victim) {
-                    victim = queued_slot(L);
-                    cancel_queued(s, L, victim);
-                }
-                repurpose(s, L, victim, e, experts[i], SLOT_READING, next_generation(s));
-                L->c.misses++;
-                v = victim;
-            }
-            reading[n_reading++] = v;
+            at[n_reading] = i;
+            reading[n_reading++] = claim_slot(s, L, e, experts[i]);   /* room was counted */
         }
     }
     /* Several misses: hand all but the first to the I/O workers, ahead of
@@ -658,8 +726,10 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
             char local[ERRLEN];
             const ColiReadPlan *plan = &L->entries[v->expert].plan;
             pthread_mutex_unlock(&L->mu);
-            r = coli_read_expert(&s->files, plan, v->mem, &s->fault, &nread,
+            demand_begin(s);
+            r = coli_read_expert(&s->files, plan, v->mem, &s->fault, NULL, &nread,
                                  rc == COLI_OK ? err : local, rc == COLI_OK ? n : sizeof local);
+            demand_end(s);
             pthread_mutex_lock(&L->mu);
         } else {
             while (v->batch != BATCH_DONE) layer_wait(L, NULL);
@@ -668,25 +738,44 @@ static int lookup_many_impl(LruStore *s, int layer, const int *experts,
             nread = v->batch_nread;
             if (r != COLI_OK && rc == COLI_OK) coli_fail(err, n, r, "%s", v->batch_err);
         }
-        finish_load(s, L, v, r == COLI_OK, nread, r == COLI_OK ? 1 : 0);
-        if (r != COLI_OK && rc == COLI_OK) rc = r;
-        reading[k] = r == COLI_OK ? v : NULL;
+        finish_load(s, L, v, r, nread, r == COLI_OK ? 1 : 0);
+        if (r == COLI_OK) fill_view(&views[at[k]], L, v);
+        else if (rc == COLI_OK) rc = r;
     }
-    if (rc != COLI_OK) {          /* all or nothing: give back what we hold */
-        for (int i = 0; i < count; i++)
-            if (first[i] == i && views[i].lease) unlease_locked(L, views[i].lease);
-        for (int k = 0; k < n_reading; k++)
-            if (reading[k]) unlease_locked(L, reading[k]);
-        memset(views, 0, sizeof(*views) * (size_t)count);
-    } else {
-        for (int i = 0; i < count; i++) {
-            Slot *v = L->entries[experts[i]].slot;
-            if (first[i] == i) {
-                if (!views[i].lease) fill_view(&views[i], L, v);
+    /* Loads of ours that a worker or another thread runs: wait for them now,
+     * holding our leases. That cannot deadlock: a read never waits for a
+     * lease. One that failed, or was evicted before we woke, we read here if
+     * a slot is free, else we give everything back and start over. */
+    while (rc == COLI_OK) {
+        bool pending = false;
+        for (int i = 0; i < count && rc == COLI_OK && !again; i++) {
+            if (first[i] != i || views[i].lease) continue;
+            Entry *e = &L->entries[experts[i]];
+            Slot *v = e->slot;
+            if (v && v->state == SLOT_RESIDENT) {
+                lease_hit(L, v, &views[i]);
+            } else if (v && v->state == SLOT_READING) {
+                pending = true;
+                demand_join(s, v);
+            } else if ((v = claim_slot(s, L, e, experts[i])) != NULL) {
+                rc = demand_read(s, L, v, &views[i], err, n);
             } else {
-                lease_hit(L, v, &views[i]);   /* a repeated expert: one more lease */
+                again = true;
             }
         }
+        if (again || !pending) break;
+        if (!joined) L->c.inflight_joins++;
+        joined = true;
+        layer_wait(L, NULL);
+    }
+    if (rc != COLI_OK || again) { /* all or nothing: give back what we hold */
+        for (int i = 0; i < count; i++)
+            if (first[i] == i && views[i].lease) unlease_locked(L, views[i].lease);
+        memset(views, 0, sizeof(*views) * (size_t)count);
+        if (rc == COLI_OK) goto restart;
+    } else {
+        for (int i = 0; i < count; i++)   /* a repeated expert: one more lease */
+            if (first[i] != i) lease_hit(L, L->entries[experts[i]].slot, &views[i]);
     }
     pthread_mutex_unlock(&L->mu);
     free(first);
@@ -720,7 +809,10 @@ static void run_batch_read(LruStore *s, Slot *v, uint64_t generation) {
     const ColiReadPlan *plan = &L->entries[v->expert].plan;
     pthread_mutex_unlock(&L->mu);
     uint64_t nread = 0;
-    int rc = coli_read_expert(&s->files, plan, v->mem, &s->fault, &nread, v->batch_err, sizeof v->batch_err);
+    demand_begin(s);
+    int rc = coli_read_expert(&s->files, plan, v->mem, &s->fault, NULL, &nread, v->batch_err,
+                              sizeof v->batch_err);
+    demand_end(s);
     pthread_mutex_lock(&L->mu);
     v->batch_rc = rc;
     v->batch_nread = nread;
@@ -749,9 +841,11 @@ static void run_job(void *ctx, ColiJob job) {
     pthread_mutex_unlock(&L->mu);
     uint64_t nread = 0;
     char err[ERRLEN];
-    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &nread, err, sizeof err);
+    PrefetchPace pace = {s, v};
+    ColiReadPacer pacer = {s->prefetch_chunk, prefetch_pause, &pace};
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &pacer, &nread, err, sizeof err);
     pthread_mutex_lock(&L->mu);
-    finish_load(s, L, v, rc == COLI_OK, nread, 0);
+    finish_load(s, L, v, rc, nread, 0);
     pthread_mutex_unlock(&L->mu);
 }
 
@@ -812,6 +906,7 @@ static void lru_stats_op(ColiExpertStore *store, ColiExpertStoreStats *out) {
 }
 
 static void free_store(LruStore *s) {
+    if (s->gate_ready) set_hold(s, 0);   /* a held read would keep the pool from stopping */
     coli_pool_stop(&s->pool);
     for (int i = 0; i < s->n_layers; i++) {
         Layer *L = &s->layers[i];
@@ -826,6 +921,10 @@ static void free_store(LruStore *s) {
     free(s->layers);
     free(s->by_id);
     coli_files_close(&s->files);
+    if (s->gate_ready) {
+        pthread_cond_destroy(&s->gate_cv);
+        pthread_mutex_destroy(&s->gate_mu);
+    }
     free(s);
 }
 
@@ -846,18 +945,35 @@ static const ColiExpertStoreOps LRU_OPS = {
 
 /* ---- creation -------------------------------------------------------- */
 
-static int init_layer_sync(Layer *L, char *err, size_t n) {
+/* A mutex and a condition on the monotonic clock (the one deadlines use).
+ * Returns 1 if the mutex failed, 2 if the condition did (nothing left). */
+static int init_sync(pthread_mutex_t *mu, pthread_cond_t *cv) {
+    if (pthread_mutex_init(mu, NULL) != 0) return 1;
     pthread_condattr_t attr;
-    if (pthread_mutex_init(&L->mu, NULL) != 0)
-        return coli_fail(err, n, COLI_ETHREAD, "cannot create the mutex of layer %d", L->id);
-    if (pthread_condattr_init(&attr) != 0 ||
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
-        pthread_cond_init(&L->cv, &attr) != 0) {
-        pthread_mutex_destroy(&L->mu);
-        return coli_fail(err, n, COLI_ETHREAD, "cannot create the condition of layer %d", L->id);
+    bool bad = pthread_condattr_init(&attr) != 0;
+    if (!bad) {
+        bad = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 || pthread_cond_init(cv, &attr) != 0;
+        pthread_condattr_destroy(&attr);
     }
-    pthread_condattr_destroy(&attr);
+    if (bad) pthread_mutex_destroy(mu);
+    return bad ? 2 : 0;
+}
+
+static int init_layer_sync(Layer *L, char *err, size_t n) {
+    int bad = init_sync(&L->mu, &L->cv);
+    if (bad)
+        return coli_fail(err, n, COLI_ETHREAD, "cannot create the %s of layer %d",
+                         bad == 1 ? "mutex" : "condition", L->id);
     L->sync_ready = true;
+    return COLI_OK;
+}
+
+static int init_gate(LruStore *s, char *err, size_t n) {
+    int bad = init_sync(&s->gate_mu, &s->gate_cv);
+    if (bad)
+        return coli_fail(err, n, COLI_ETHREAD, "cannot create the demand gate's %s",
+                         bad == 1 ? "mutex" : "condition");
+    s->gate_ready = true;
     return COLI_OK;
 }
 
@@ -1007,7 +1123,13 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     if (!s) return coli_fail(err, n, COLI_ENOMEM, "out of memory for the store");
     s->direct = cfg->direct_io != 0;
     s->wait_timeout_ns = cfg->slot_wait_timeout_ns;
-    int rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
+    s->demand_first = cfg->prefetch_never_pauses == 0;
+    uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes : DEFAULT_PREFETCH_CHUNK;
+    if (chunk < MIN_PREFETCH_CHUNK) chunk = MIN_PREFETCH_CHUNK;
+    if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
+    s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
+    int rc = init_gate(s, err, n);
+    if (rc == COLI_OK) rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
     if (rc == COLI_OK)
@@ -1034,13 +1156,15 @@ int coli_lru_retire_prefetches(ColiExpertStore *store, int layer, const int *kee
     pthread_mutex_lock(&L->mu);
     for (int j = 0; j < L->n_slots; j++) {
         Slot *v = &L->slots[j];
-        if (!v->prefetched || (v->state != SLOT_QUEUED && (v->state != SLOT_RESIDENT || v->leases)))
+        if (!v->prefetched || v->state == SLOT_EMPTY || (v->state == SLOT_RESIDENT && v->leases))
             continue;
         bool kept = false;
         for (int i = 0; i < n_keep && !kept; i++) kept = keep[i] == v->expert;
         if (kept) continue;
         if (v->state == SLOT_QUEUED) {
             cancel_queued(s, L, v);
+        } else if (v->state == SLOT_READING) {   /* a worker reads it: stop at its next chunk */
+            atomic_store(&v->retired, true);
         } else {                  /* resident, unleased, never hit: evict it first */
             list_unlink(v);
             list_push_lru(L, v);
@@ -1067,6 +1191,7 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
                                   "cannot close the store: %llu calls are in progress in other threads",
                                   (unsigned long long)calls);
     }
+    set_hold(s, 0);
     coli_pool_stop(&s->pool);     /* queued prefetches are dropped, running reads end first */
     for (int i = 0; i < s->n_layers; i++) {
         Layer *L = &s->layers[i];
@@ -1121,6 +1246,21 @@ int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
         out[5 + i] = t[i]->scales ? (uintptr_t)t[i]->scales - lo : UINT64_MAX;
     }
     return COLI_OK;
+}
+
+void coli_lru_hold_prefetch_reads(ColiExpertStore *store, int hold) {
+    LruStore *s = store_of(store);
+    if (s) set_hold(s, hold);
+}
+
+int coli_lru_held_prefetch_reads(ColiExpertStore *store) {
+    LruStore *s = store_of(store);
+    return s ? (int)atomic_load(&s->held) : 0;
+}
+
+uint64_t coli_lru_prefetch_pauses(ColiExpertStore *store) {
+    LruStore *s = store_of(store);
+    return s ? atomic_load(&s->prefetch_pauses) : 0;
 }
 
 uint64_t coli_lru_active_leases(ColiExpertStore *store) {

@@ -11,9 +11,18 @@
  * one store. One view is never used by two threads at once. destroy must be
  * the last call and must not race any other call.
  *
- * LOCK ORDER. Each layer has a mutex; the I/O pool has one. A thread may take
- * the pool mutex while it holds one layer mutex, never the other way round,
- * and never holds two layer mutexes at once. No lock is held during a read.
+ * LOCK ORDER. Each layer has a mutex; the I/O pool has one, and so has the
+ * demand gate (where paused prefetch reads wait). A thread may take the pool
+ * or the gate mutex while it holds one layer mutex, never the other way
+ * round, never holds both of them, and never holds two layer mutexes at
+ * once. No lock is held during a read.
+ *
+ * DEMAND FIRST. A lookup that misses reads the expert itself (or with the
+ * I/O workers, for lease_many) ahead of every queued prefetch. Prefetch
+ * reads already running go in chunks (prefetch_chunk_bytes) and wait before
+ * each chunk while a demand read is in progress (up to 50 ms a chunk),
+ * unless a lookup is waiting for that very load; so a miss shares the disk
+ * with at most one chunk per worker.
  *
  * GENERATIONS. Every slot tenancy (an expert loaded into a slot) gets a
  * generation that is unique within the store and never reused, so a view's
@@ -82,6 +91,10 @@ typedef struct {
     uint32_t prefetch_queue_depth;  /* queued prefetches at most; 0 = a default */
     int direct_io;                  /* nonzero: open files with O_DIRECT where the file system allows */
     int64_t slot_wait_timeout_ns;   /* how long a lookup waits when every slot is leased; < 0 = forever */
+    int prefetch_never_pauses;      /* nonzero: prefetch reads share the disk with demand reads
+                                     * instead of pausing for them (for comparisons) */
+    uint64_t prefetch_chunk_bytes;  /* prefetch reads go in chunks of this size, rounded up to
+                                     * 4 KiB, at least 64 KiB; 0 = 1 MiB */
 } ColiLruConfig;
 
 /* Validates config, opens its files and allocates every slot. On success
@@ -113,9 +126,11 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t err_len);
 
 /* Tells the store which experts of layer the engine really used, once it
  * knows: prefetches of that layer for any other expert are wrong guesses.
- * Queued ones are cancelled (their reads never start) and loaded ones that
- * were never hit move to the LRU end, to be evicted first. Returns how many
- * were retired; 0 for an unknown layer. */
+ * Queued ones are cancelled (their reads never start), running reads stop
+ * before their next chunk unless a lookup waits for them (the slot is then
+ * emptied; not a failed load), and loaded ones that were never hit move to
+ * the LRU end, to be evicted first. Returns how many were retired; 0 for an
+ * unknown layer. */
 int coli_lru_retire_prefetches(ColiExpertStore *store, int layer, const int *keep,
                                int n_keep);
 
@@ -130,6 +145,9 @@ int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns);
  * COLI_EINVAL (out untouched) for a view that holds no lease. */
 int coli_view_layout(const ColiExpertView *view, uint64_t out[8]);
 
+/* Times a prefetch read paused between chunks for a demand read. */
+uint64_t coli_lru_prefetch_pauses(ColiExpertStore *store);
+
 /* Leases held now, over all layers. */
 uint64_t coli_lru_active_leases(ColiExpertStore *store);
 
@@ -141,6 +159,12 @@ uint64_t coli_lru_slot_bytes(ColiExpertStore *store, int layer);
  * n = 0 disarms. Reads are counted across all threads of this store. */
 void coli_lru_inject_read_fault(ColiExpertStore *store, uint64_t nth,
                                 int errno_value);
+
+/* Test hook: while hold is nonzero, prefetch reads that a worker has begun
+ * wait before each chunk, even if a lookup waits for them; close and
+ * destroy lift the hold. held_prefetch_reads says how many wait now. */
+void coli_lru_hold_prefetch_reads(ColiExpertStore *store, int hold);
+int coli_lru_held_prefetch_reads(ColiExpertStore *store);
 
 /* Nonzero when the store was built with direct_io and O_DIRECT was refused
  * by the file system, so reads go through the page cache. */

@@ -44,13 +44,15 @@ def make_machine(models):
             self.closed = False
             self.failed_requests = 0   # lookups refused as cache full: requests, not hits or misses
 
-        @initialize(m=st.integers(0, len(models) - 1), slots=st.integers(1, 4), workers=st.integers(0, 3))
-        def open(self, m: int, slots: int, workers: int) -> None:
+        @initialize(m=st.integers(0, len(models) - 1), slots=st.integers(1, 4), workers=st.integers(0, 3),
+                    demand_first=st.booleans())
+        def open(self, m: int, slots: int, workers: int, demand_first: bool) -> None:
             model = models[m]
             self.want = wants[m]
             self.layers, self.n_experts = model.layers, model.n_experts
             self.store = colibri.open_store(model.path, slots_per_layer=slots, prefetch_workers=workers,
-                                            slot_wait_timeout=0.0)
+                                            slot_wait_timeout=0.0, demand_first=demand_first)
+            self.demand_first = demand_first
             assert self.store.layers == self.layers
             self.slots = min(slots, self.n_experts)
             self.workers = workers
@@ -186,6 +188,8 @@ def make_machine(models):
             assert s.requests == s.hits + s.misses + self.failed_requests
             assert s.loads_failed == 0
             assert self.store.active_leases == len(self.held)
+            if not self.demand_first or self.workers == 0:
+                assert s.prefetch_pauses == 0
 
         @invariant()
         def held_bytes_unchanged(self) -> None:
