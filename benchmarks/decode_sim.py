@@ -429,18 +429,24 @@ def layer_compute_s(model, args, engine: "Engine") -> float:
     return statistics.median(times)
 
 
-def calibrated_engine(model, args, cal: dict) -> "Engine":
+def calibrated_engine(model, args, cal: dict, ratio: float) -> "Engine":
     """Choose the dense block's rows so that a layer's compute is about
-    compute_ratio x one expert's cold read (a few measured iterations)."""
-    target = args.compute_ratio * cal["expert_read_ms"] / 1e3
+    ratio x one expert's cold read: a few measured steps, keeping the engine
+    that came closest (single timings on a shared VM are noisy)."""
+    target = ratio * cal["expert_read_ms"] / 1e3
     moe = cal["moe_ms"] / 1e3
     rows = args.dense_rows or 256
-    for _ in range(1 if args.dense_rows else 4):
+    best: tuple[float, Engine, float] | None = None
+    for _ in range(1 if args.dense_rows else 6):
         engine = Engine(layers=args.layers, hidden=args.hidden, rows=rows)
         took = layer_compute_s(model, args, engine)
+        if best is None or abs(took - target) < abs(best[2] - target):
+            best = (abs(took - target), engine, took)
         if args.dense_rows or abs(took - target) < 0.05 * target:
             break
         rows = max(8, int(rows * max(target - moe, 1e-4) / max(took - moe, 1e-4)))
+    assert best is not None
+    _, engine, took = best
     cal["dense_rows"] = engine.rows
     cal["layer_compute_ms"] = 1e3 * took
     return engine
@@ -635,9 +641,15 @@ def main(argv=None) -> int:
               f"({cache_bytes / model_bytes:.0%} of the experts); top-{args.top_k}, "
               f"Zipf skew {args.skew}, {args.tokens} tokens, wrong guesses {args.wrong}")
 
+        # The calibration times one layer in isolation, which runs faster than
+        # a layer inside a decode (other experts each layer, Python between
+        # layers): each cold round corrects the next by the ratio it measured.
+        correction = 1.0
+
         def calibrated() -> tuple[Engine, dict]:
             cal = calibrate(model, args, cold_method)
-            engine = calibrated_engine(model, args, cal)
+            engine = calibrated_engine(model, args, cal, args.compute_ratio * correction)
+            cal["correction"] = correction
             print(f"calibration: one expert cold read {cal['expert_read_ms']:.2f} ms "
                   f"(median of {cal['expert_read_samples']}, {cold_method}); "
                   f"per-layer compute {cal['layer_compute_ms']:.2f} ms "
@@ -687,16 +699,20 @@ def main(argv=None) -> int:
                 per_layer = floors[-1].ms_per_token / args.layers
                 per_miss = 1e3 * base.wait_s / max(base.stats["misses"], 1)
                 cal["measured_ratio"] = per_layer / per_miss
+                if cache == "cold" and not args.dense_rows:
+                    correction *= min(2.0, max(0.5, args.compute_ratio / cal["measured_ratio"]))
                 print(f"{cache} round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.0f} s; "
                       f"compute-only {per_layer:.2f} ms/layer, no-prefetch wait {per_miss:.2f} ms/miss "
-                      f"= {cal['measured_ratio']:.2f}x", flush=True)
+                      f"= {cal['measured_ratio']:.2f}x (measured compute ratio)", flush=True)
             bases = runs[("no prefetch", None)]
             rows = {key: summarize(rs, floors, bases) for key, rs in runs.items()}
             floor_row = summarize(floors, floors, bases)
             tables[cache] = {"floor": floor_row, "rows": rows, "runs": runs, "floors": floors}
             label = ("cold page cache (" + cold_method + ")") if cache == "cold" else "warm page cache"
             for p in args.p:
-                print(f"\n{label}, one-layer-ahead predictability p = {p:.2f}, median of {args.rounds} rounds")
+                measured = statistics.median(c["measured_ratio"] for c in calibrations if c["section"] == cache)
+                print(f"\n{label}, one-layer-ahead predictability p = {p:.2f}, median of {args.rounds} rounds "
+                      f"(measured compute ratio {measured:.2f})")
                 print(HEADER)
                 print(fmt_row(floor_row))
                 print(fmt_row(rows[("no prefetch", None)]))
@@ -726,6 +742,14 @@ def main(argv=None) -> int:
                       [w.wait_share / b.wait_share for w, b in zip(w2_runs, base_runs) if b.wait_share], 0.5)
             check("oracle_over_compute_only", "oracle time / compute-only time",
                   [o.ms_per_token / f.ms_per_token for o, f in zip(oracle_runs, t["floors"])], 1.15)
+            # The targets depend on the compute ratio a round really ran at.
+            measured = [c["measured_ratio"] for c in calibrations if c["section"] == "cold"]
+            checks["measured_compute_ratio"] = measured
+            print("  by round: measured compute ratio -> PILOT w=2 wait-share ratio, oracle / compute-only")
+            for i, m in enumerate(measured):
+                pilot_ratios = checks.get("pilot_w2_wait_share_ratio", {}).get("per_round", [])
+                shown = f"{pilot_ratios[i]:.2f}" if i < len(pilot_ratios) else "-"
+                print(f"    {m:.2f}x -> {shown}, {checks['oracle_over_compute_only']['per_round'][i]:.2f}")
         elapsed = time.perf_counter() - t_start
         print(f"\ntotal time {elapsed:.0f} s")
 

@@ -21,11 +21,15 @@ Engine loop (one ``predict_next`` and one ``observe`` per MoE layer)::
         x = embed(token)
         for layer in model_layers:                    # dense layers may call predict_next too
             h = attention(layer, x)                   # router input of this layer
-            pilot.predict_next(layer, h)              # prefetch the NEXT MoE layer's guess
             experts, weights = route(layer, h)        # this layer's real top-k
             with pilot.lease_many(layer, experts) as group:   # = observe + store.lease_many
+                pilot.predict_next(layer, h)          # prefetch the NEXT MoE layer's guess
                 x = x + moe(group, weights, h)
     print(pilot.report())
+
+Predicting right after the layer's lease rather than before it lets the
+layer's own misses have the disk to themselves; the prefetch still overlaps
+this layer's MoE and the next layer's attention.
 
 ``pilot.lease_many(layer, experts)`` is ``pilot.observe(layer, experts)``
 followed by ``store.lease_many(layer, experts)``; an engine that leases
