@@ -581,7 +581,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pilot-workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--oracle-workers", type=int, default=2)
     ap.add_argument("--compute-ratio", type=float, default=1.0,
-                    help="per-layer compute / one expert's cold read (calibrates --dense-rows)")
+                    help="target ratio of a layer's compute to one cold expert read: calibrates "
+                         "--dense-rows, then each cold round corrects it by the ratio it measured")
     ap.add_argument("--dense-rows", type=int, default=None,
                     help="rows of the dense block per layer (default: calibrated)")
     ap.add_argument("--cache", choices=["cold", "warm", "both"], default="both")
