@@ -26,7 +26,12 @@
  * layer's slots, list, expert table and counters. The condition is broadcast
  * when a lease is released or a load ends, if anyone waits. No lock is held
  * during a read. The pool mutex nests inside a layer mutex (prefetch posts
- * while holding its layer), never the reverse.
+ * while holding its layer), never the reverse; so does the demand gate's
+ * (a lookup that joins a prefetch wakes its paused reader).
+ *
+ * Prefetch reads go in chunks; before each one the worker stops if the
+ * prefetch was retired as a wrong guess, and waits while a demand read is in
+ * progress, unless a lookup is waiting for this very load (demanded).
  */
 #define _GNU_SOURCE               /* madvise(MADV_HUGEPAGE), with POSIX clocks and conditions */
 #include "lru_store.h"
