@@ -731,6 +731,7 @@ def main(argv=None) -> int:
             oracle_runs = t["runs"][(f"oracle w={args.oracle_workers}", None)]
             w2_runs = t["runs"].get(("PILOT w=2", 0.72))
             print(f"\ntargets (cold, p = 0.72, median over {args.rounds} rounds):")
+
             def check(key: str, label: str, ratios: list[float], limit: float) -> None:
                 ratio = statistics.median(ratios)
                 checks[key] = {"value": ratio, "per_round": ratios, "target": f"<= {limit}",
@@ -744,10 +745,10 @@ def main(argv=None) -> int:
             check("oracle_over_compute_only", "oracle time / compute-only time",
                   [o.ms_per_token / f.ms_per_token for o, f in zip(oracle_runs, t["floors"])], 1.15)
             # The targets depend on the compute ratio a round really ran at.
-            measured = [c["measured_ratio"] for c in calibrations if c["section"] == "cold"]
-            checks["measured_compute_ratio"] = measured
+            measured_rounds = [c["measured_ratio"] for c in calibrations if c["section"] == "cold"]
+            checks["measured_compute_ratio"] = measured_rounds
             print("  by round: measured compute ratio -> PILOT w=2 wait-share ratio, oracle / compute-only")
-            for i, m in enumerate(measured):
+            for i, m in enumerate(measured_rounds):
                 pilot_ratios = checks.get("pilot_w2_wait_share_ratio", {}).get("per_round", [])
                 shown = f"{pilot_ratios[i]:.2f}" if i < len(pilot_ratios) else "-"
                 print(f"    {m:.2f}x -> {shown}, {checks['oracle_over_compute_only']['per_round'][i]:.2f}")
