@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
@@ -78,6 +78,14 @@ class _Scores:
         """correct / actual (0.0 before any scored prediction)."""
         return _ratio(self.correct, self.actual)
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, then precision and recall."""
+        # only dataclasses derive from _Scores, which mypy cannot know
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        d["precision"] = self.precision
+        d["recall"] = self.recall
+        return d
+
 
 @dataclass(frozen=True)
 class LayerAccuracy(_Scores):
@@ -93,18 +101,6 @@ class LayerAccuracy(_Scores):
     actual: int
     correct: int
     prefetch_accepted: int
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "layer": self.layer,
-            "predictions": self.predictions,
-            "predicted": self.predicted,
-            "actual": self.actual,
-            "correct": self.correct,
-            "prefetch_accepted": self.prefetch_accepted,
-            "precision": self.precision,
-            "recall": self.recall,
-        }
 
 
 @dataclass(frozen=True)
@@ -136,21 +132,9 @@ class PilotReport(_Scores):
     per_layer: Mapping[int, LayerAccuracy]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "enabled": self.enabled,
-            "top_k": self.top_k,
-            "extra": self.extra,
-            "predictions": self.predictions,
-            "predicted": self.predicted,
-            "actual": self.actual,
-            "correct": self.correct,
-            "unscored": self.unscored,
-            "prefetch_requested": self.prefetch_requested,
-            "prefetch_accepted": self.prefetch_accepted,
-            "precision": self.precision,
-            "recall": self.recall,
-            "per_layer": {str(k): v.as_dict() for k, v in self.per_layer.items()},
-        }
+        d = super().as_dict()
+        d["per_layer"] = {str(k): v.as_dict() for k, v in self.per_layer.items()}
+        return d
 
     def __str__(self) -> str:
         return (

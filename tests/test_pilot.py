@@ -8,6 +8,7 @@ store over a synthetic model. No test depends on timing.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -101,6 +102,15 @@ def test_precision_recall_arithmetic():
         rep.predictions = 0  # type: ignore[misc]
     with pytest.raises(TypeError):
         rep.per_layer[2] = None  # type: ignore[index]
+
+    d = rep.as_dict()               # JSON-ready: every field, the scores, layers by name
+    assert json.loads(json.dumps(d)) == d
+    assert (d["predictions"], d["predicted"], d["actual"], d["correct"]) == (2, 4, 4, 3)
+    assert (d["enabled"], d["top_k"], d["extra"], d["unscored"]) == (True, 2, 0, 0)
+    assert d["precision"] == pytest.approx(0.75) and d["recall"] == pytest.approx(0.75)
+    assert d["per_layer"]["2"] == {"layer": 2, "predictions": 1, "predicted": 2, "actual": 2, "correct": 1,
+                                   "prefetch_accepted": 2, "precision": 0.5, "recall": 0.5}
+    assert set(d["per_layer"]) == {"2", "3"}
 
 
 def test_precision_and_recall_differ_with_extra_candidates():
