@@ -415,17 +415,15 @@ def calibrate(model, args, cold_method: str) -> dict:
             "moe_ms": 1e3 * moe_s, "method": cold_method}
 
 
-def layer_compute_s(model, args, engine: "Engine") -> float:
-    """Median time of one layer's compute (dense block + MoE over top_k resident experts)."""
-    with colibri.open_store(model["path"], slots_per_layer=args.slots, prefetch_workers=0) as store:
-        with store.lease_many(store.layers[0], range(args.top_k)) as group:
-            h = np.ones(args.hidden, dtype=np.float32)
-            engine.moe(group, engine.dense(0, h))
-            times = []
-            for _ in range(15):
-                t0 = time.perf_counter()
-                engine.moe(group, engine.dense(0, h))
-                times.append(time.perf_counter() - t0)
+def layer_compute_s(engine: "Engine", group, hidden: int) -> float:
+    """Median time of one layer's compute (dense block + MoE over the leased group)."""
+    h = np.ones(hidden, dtype=np.float32)
+    engine.moe(group, engine.dense(0, h))
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        engine.moe(group, engine.dense(0, h))
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -436,17 +434,19 @@ def calibrated_engine(model, args, cal: dict, ratio: float) -> "Engine":
     target = ratio * cal["expert_read_ms"] / 1e3
     moe = cal["moe_ms"] / 1e3
     rows = args.dense_rows or 256
-    best: tuple[float, Engine, float] | None = None
-    for _ in range(1 if args.dense_rows else 6):
-        engine = Engine(layers=args.layers, hidden=args.hidden, rows=rows)
-        took = layer_compute_s(model, args, engine)
-        if best is None or abs(took - target) < abs(best[2] - target):
-            best = (abs(took - target), engine, took)
-        if args.dense_rows or abs(took - target) < 0.05 * target:
-            break
-        rows = max(8, int(rows * max(target - moe, 1e-4) / max(took - moe, 1e-4)))
+    best: tuple[Engine, float] | None = None   # (engine, its layer time)
+    with colibri.open_store(model["path"], slots_per_layer=args.slots, prefetch_workers=0) as store:
+        with store.lease_many(store.layers[0], range(args.top_k)) as group:
+            for _ in range(1 if args.dense_rows else 6):
+                engine = Engine(layers=args.layers, hidden=args.hidden, rows=rows)
+                took = layer_compute_s(engine, group, args.hidden)
+                if best is None or abs(took - target) < abs(best[1] - target):
+                    best = (engine, took)
+                if args.dense_rows or abs(took - target) < 0.05 * target:
+                    break
+                rows = max(8, int(rows * max(target - moe, 1e-4) / max(took - moe, 1e-4)))
     assert best is not None
-    _, engine, took = best
+    engine, took = best
     cal["dense_rows"] = engine.rows
     cal["layer_compute_ms"] = 1e3 * took
     return engine
