@@ -91,7 +91,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -284,7 +284,6 @@ class RunResult:
     stats: dict
     pilot: dict | None = None
     checksum: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def ms_per_token(self) -> float:
@@ -301,7 +300,7 @@ class RunResult:
             "ms_per_token": self.ms_per_token, "io_wait_share": self.wait_share,
             "hit_rate": self.stats["hit_rate"], "prefetch_hit_rate": self.stats["prefetch_hit_rate"],
             "mb_read_per_token": self.stats["bytes_read"] / MB / self.tokens,
-            "stats": self.stats, "pilot": self.pilot, "checksum": self.checksum, **self.extra,
+            "stats": self.stats, "pilot": self.pilot, "checksum": self.checksum,
         }
 
 
