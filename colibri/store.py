@@ -366,8 +366,10 @@ class Store:
     def retire_prefetches(self, layer: int, keep: Iterable[int] = ()) -> int:
         """Say which experts of ``layer`` the engine really used: prefetches
         of that layer for other experts were wrong guesses. Queued ones are
-        cancelled and loaded ones never hit are evicted first. Returns how
-        many were retired. :class:`colibri.Pilot` calls this from ``observe``.
+        cancelled, running reads stop before their next chunk unless a lookup
+        waits for them, and loaded ones never hit are evicted first. Returns
+        how many were retired (a retired read that was on its last chunk still
+        completes). :class:`colibri.Pilot` calls this from ``observe``.
         """
         self._check_open()
         layer = operator.index(layer)

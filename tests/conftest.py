@@ -22,7 +22,9 @@ import json
 import os
 import struct
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -52,6 +54,18 @@ ROLES = ("gate", "up", "down")
 
 # ---------------------------------------------------------------------------
 # plain helpers
+
+
+# How long a state that must come is polled for before a test calls it a hang.
+LIVENESS_S = 30.0
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll until condition() holds; fail after LIVENESS_S. Bounds a wait, asserts no timing."""
+    deadline = time.monotonic() + LIVENESS_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
 
 
 def load_all_tensors(model: SyntheticModel) -> dict[str, np.ndarray]:

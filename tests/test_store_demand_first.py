@@ -13,21 +13,10 @@ from __future__ import annotations
 
 import errno
 import threading
-import time
 from typing import Any, Callable
 
 import colibri
-from conftest import assert_expert_matches, expected_experts
-
-LIVENESS_S = 30.0
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIVENESS_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.001)
-
+from conftest import LIVENESS_S, assert_expert_matches, expected_experts, wait_until
 
 def held_prefetch(store, key: tuple[int, int]) -> None:
     """Prefetch key and wait until a worker has begun it and is held."""

@@ -13,7 +13,7 @@ import errno
 import pytest
 
 import colibri
-from conftest import assert_expert_matches, expected_experts
+from conftest import assert_expert_matches, expected_experts, wait_until
 
 
 def test_no_workers_accepts_nothing(small_model):
@@ -200,19 +200,22 @@ def test_retired_wrong_guesses_are_evicted_first(small_model):
 
 
 def test_retire_cancels_queued_wrong_guesses(small_model):
-    layer = small_model.layers[-1]
+    layer, nbytes = small_model.layers[-1], small_model.expert_nbytes
     with colibri.open_store(small_model.path, slots_per_layer=8, prefetch_workers=1) as store:
-        accepted = store.prefetch([(layer, e) for e in range(8)])
-        assert accepted == 8
-        retired = store.retire_prefetches(layer, keep=[0])
+        # The one worker begins expert 0 and is held there, so 1..7 are still queued
+        # when they are retired (without the hold it may already have read some).
+        store._hold_prefetch_reads(True)
+        assert store.prefetch([(layer, e) for e in range(8)]) == 8
+        wait_until(lambda: store._held_prefetch_reads() == 1, "the worker begins expert 0")
+        assert store.retire_prefetches(layer, keep=[0]) == 7
+        store._hold_prefetch_reads(False)
         store.wait_idle(timeout=30)
         s = store.stats()
-        # Whatever the worker had not started was cancelled; nothing was lost or left loading.
-        assert retired <= 7
-        assert s.loads_failed == 0
-        assert s.bytes_read <= (8 - retired) * small_model.expert_nbytes
+        # The cancelled reads never started; the kept one finished; nothing failed.
+        assert (s.bytes_read, s.resident_bytes, s.loads_failed) == (nbytes, nbytes, 0)
         with store.lease(layer, 0):
             pass
+        assert store.stats().prefetch_hits == 1
         assert store.retire_prefetches(99, keep=[]) == 0   # unknown layer: nothing
 
 
