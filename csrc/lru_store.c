@@ -75,6 +75,9 @@ struct Slot {
     _Atomic bool retired;         /* a prefetch known to be a wrong guess: stop reading it */
     uint32_t leases;              /* active leases; > 0 only when RESIDENT */
     uint64_t generation;          /* bumped whenever the slot is repurposed */
+    /* The view of the expert given to this slot, minus the lease fields: a
+     * hit copies it instead of reading the expert's (large, cold) entry. */
+    ColiExpertView view;
     /* A READING slot of a lease_many batch may be read by an I/O worker;
      * the worker only reads, the batch's thread finishes the load. */
     uint8_t batch;                /* BATCH_NONE, _QUEUED, _RUNNING or _DONE */
@@ -87,10 +90,8 @@ enum { BATCH_NONE, BATCH_QUEUED, BATCH_RUNNING, BATCH_DONE };
 #define DEMAND_JOB (1ull << 63)   /* tag bit of a batch read job; the rest is the generation */
 
 typedef struct {
-    bool present;                 /* the model has this expert */
     ColiExpertSource src;         /* formats and shapes for views */
     ColiReadPlan plan;
-    Slot *slot;                   /* slot holding or loading it, or NULL */
 } Entry;
 
 typedef struct {
@@ -105,7 +106,11 @@ struct Layer {
     pthread_cond_t cv;            /* a lease was released or a load ended */
     int id;                       /* the model's layer index, fixed */
     int n_entries;                /* largest expert index + 1, fixed */
-    Entry *entries;               /* indexed by expert */
+    Entry *entries;               /* indexed by expert; read on loads only */
+    /* Compact per-expert state, so a hit over a large model touches a few
+     * bytes per expert instead of a cold Entry of hundreds. */
+    bool *present;                /* indexed by expert: the model has it; fixed */
+    Slot **slot_of;               /* indexed by expert: slot holding or loading it, or NULL */
     Slot *slots;                  /* n_slots, fixed */
     int n_slots;
     uint64_t slot_bytes;          /* stride of the arena, fixed */
@@ -212,7 +217,7 @@ static Layer *find_layer(LruStore *s, int layer) {
 }
 
 static Entry *find_entry(Layer *L, int expert) {
-    return (expert >= 0 && expert < L->n_entries && L->entries[expert].present)
+    return (expert >= 0 && expert < L->n_entries && L->present[expert])
                ? &L->entries[expert] : NULL;
 }
 
@@ -284,14 +289,18 @@ static bool prefetch_pause(void *ctx) {
     return !atomic_load(&p->v->retired) || atomic_load(&p->v->demanded);
 }
 
+static void fill_template(ColiExpertView *view, const Layer *L, const Entry *e, int expert,
+                          const unsigned char *mem);
+
 /* Gives slot v to entry e in state st: drops whatever v held (counting an
- * eviction) and gives it the new generation (from next_generation()).
+ * eviction), gives it the new generation (from next_generation()) and
+ * builds the view its leases will copy.
  * Caller holds L->mu; v is on the list. */
 static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, SlotState st,
                       uint64_t generation) {
     list_unlink(v);
     if (v->state == SLOT_RESIDENT) {
-        L->entries[v->expert].slot = NULL;
+        L->slot_of[v->expert] = NULL;
         L->resident_bytes -= L->entries[v->expert].plan.payload;
         L->c.evictions++;
     }
@@ -301,7 +310,8 @@ static void repurpose(LruStore *s, Layer *L, Slot *v, Entry *e, int expert, Slot
     v->prefetched = (st == SLOT_QUEUED);
     atomic_store(&v->demanded, false);
     atomic_store(&v->retired, false);
-    e->slot = v;
+    L->slot_of[expert] = v;
+    fill_template(&v->view, L, e, expert, v->mem);
     L->loading++;
     if (st == SLOT_QUEUED) L->queued++;
     L->c.loads_started++;
@@ -326,7 +336,7 @@ static void finish_load(LruStore *s, Layer *L, Slot *v, int rc, uint64_t nread, 
         else L->leases += leases;
     } else {
         if (rc != COLI_READ_STOPPED) L->c.loads_failed++;
-        e->slot = NULL;
+        L->slot_of[v->expert] = NULL;
         v->expert = -1;
         v->state = SLOT_EMPTY;
         v->prefetched = false;
@@ -350,13 +360,19 @@ static void fill_tensor(ColiTensorView *t, const ColiTensorSource *src, const un
     t->block_columns = src->scale_format == COLI_SCALE_NONE ? 0 : src->block_columns;
 }
 
-static void fill_view(ColiExpertView *view, Layer *L, Slot *v) {
-    const Entry *e = &L->entries[v->expert];
+/* The view of expert e held in slot memory mem, without a lease. */
+static void fill_template(ColiExpertView *view, const Layer *L, const Entry *e, int expert,
+                          const unsigned char *mem) {
+    memset(view, 0, sizeof(*view));
     view->key.layer = L->id;
-    view->key.expert = v->expert;
-    fill_tensor(&view->gate, &e->src.gate, v->mem, e->plan.data_at[0], e->plan.scales_at[0]);
-    fill_tensor(&view->up, &e->src.up, v->mem, e->plan.data_at[1], e->plan.scales_at[1]);
-    fill_tensor(&view->down, &e->src.down, v->mem, e->plan.data_at[2], e->plan.scales_at[2]);
+    view->key.expert = expert;
+    fill_tensor(&view->gate, &e->src.gate, mem, e->plan.data_at[0], e->plan.scales_at[0]);
+    fill_tensor(&view->up, &e->src.up, mem, e->plan.data_at[1], e->plan.scales_at[1]);
+    fill_tensor(&view->down, &e->src.down, mem, e->plan.data_at[2], e->plan.scales_at[2]);
+}
+
+static void fill_view(ColiExpertView *view, Slot *v) {
+    *view = v->view;
     view->lease = v;
     view->lease_generation = v->generation;
 }
@@ -372,7 +388,7 @@ static void lease_hit(Layer *L, Slot *v, ColiExpertView *view) {
         L->c.prefetch_hits++;
         v->prefetched = false;
     }
-    fill_view(view, L, v);
+    fill_view(view, v);
 }
 
 /* Reads entry's expert into v, which the caller has marked READING, and
@@ -386,7 +402,7 @@ static int demand_read(LruStore *s, Layer *L, Slot *v, ColiExpertView *view, cha
     demand_end(s);
     pthread_mutex_lock(&L->mu);
     finish_load(s, L, v, rc, nread, 1);
-    if (rc == COLI_OK) fill_view(view, L, v);
+    if (rc == COLI_OK) fill_view(view, v);
     return rc;
 }
 
@@ -401,7 +417,7 @@ static Slot *queued_slot(Layer *L) {
  * makes v an empty evictable slot. Caller holds L->mu. Wakes waiters: one
  * load fewer (wait_idle) and one free slot more (lookups). */
 static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
-    L->entries[v->expert].slot = NULL;
+    L->slot_of[v->expert] = NULL;
     L->queued--;
     L->loading--;
     atomic_fetch_sub(&s->inflight, 1);
@@ -419,7 +435,7 @@ static void cancel_queued(LruStore *s, Layer *L, Slot *v) {
  * else another expert's queued prefetch, cancelled. Counts the request.
  * NULL when no slot is free now. Caller holds L->mu. */
 static Slot *claim_slot(LruStore *s, Layer *L, Entry *e, int expert) {
-    Slot *v = e->slot;
+    Slot *v = L->slot_of[expert];
     if (v) {
         assert(v->state == SLOT_QUEUED);
         v->state = SLOT_READING;
@@ -516,7 +532,7 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
     bool joined = false, full_wait = false;
     struct timespec deadline;
     for (;;) {
-        Slot *v = e->slot;
+        Slot *v = L->slot_of[expert];
         if (v && v->state == SLOT_RESIDENT) {
             lease_hit(L, v, view);
             pthread_mutex_unlock(&L->mu);
@@ -552,7 +568,7 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
             if (s->wait_timeout_ns >= 0) deadline_after(&deadline, s->wait_timeout_ns);
         }
         int rc = layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL);
-        if (rc == ETIMEDOUT && !list_victim(L) && L->loading == 0 && !e->slot) {
+        if (rc == ETIMEDOUT && !list_victim(L) && L->loading == 0 && !L->slot_of[expert]) {
             L->c.requests++;
             pthread_mutex_unlock(&L->mu);
             return coli_fail(err, n, COLI_EFULL,
@@ -656,7 +672,7 @@ restart:;
     for (;;) {
         int missing = 0;
         for (int i = 0; i < count; i++)
-            missing += first[i] == i && !L->entries[experts[i]].slot;
+            missing += first[i] == i && !L->slot_of[experts[i]];
         /* Slots the batch may take: evictable ones except those holding its
          * own resident experts, plus other experts' queued prefetches. */
         int room = 0;
@@ -702,7 +718,7 @@ restart:;
         for (int i = 0; i < count; i++) {
             if (first[i] != i) continue;
             Entry *e = &L->entries[experts[i]];
-            Slot *v = e->slot;
+            Slot *v = L->slot_of[experts[i]];
             if (pass == 0) {
                 if (v && v->state == SLOT_RESIDENT) lease_hit(L, v, &views[i]);
                 else if (v && v->state == SLOT_READING) demand_join(s, v);
@@ -744,7 +760,7 @@ restart:;
             if (r != COLI_OK && rc == COLI_OK) coli_fail(err, n, r, "%s", v->batch_err);
         }
         finish_load(s, L, v, r, nread, r == COLI_OK ? 1 : 0);
-        if (r == COLI_OK) fill_view(&views[at[k]], L, v);
+        if (r == COLI_OK) fill_view(&views[at[k]], v);
         else if (rc == COLI_OK) rc = r;
     }
     /* Loads of ours that a worker or another thread runs: wait for them now,
@@ -756,7 +772,7 @@ restart:;
         for (int i = 0; i < count && rc == COLI_OK && !again; i++) {
             if (first[i] != i || views[i].lease) continue;
             Entry *e = &L->entries[experts[i]];
-            Slot *v = e->slot;
+            Slot *v = L->slot_of[experts[i]];
             if (v && v->state == SLOT_RESIDENT) {
                 lease_hit(L, v, &views[i]);
             } else if (v && v->state == SLOT_READING) {
@@ -780,7 +796,7 @@ restart:;
         if (rc == COLI_OK) goto restart;
     } else {
         for (int i = 0; i < count; i++)   /* a repeated expert: one more lease */
-            if (first[i] != i) lease_hit(L, L->entries[experts[i]].slot, &views[i]);
+            if (first[i] != i) lease_hit(L, L->slot_of[experts[i]], &views[i]);
     }
     pthread_mutex_unlock(&L->mu);
     free(first);
@@ -864,7 +880,7 @@ static int lru_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, in
         Entry *e = L ? find_entry(L, keys[i].expert) : NULL;
         if (!e) continue;
         pthread_mutex_lock(&L->mu);
-        Slot *v = e->slot ? NULL : list_victim(L);
+        Slot *v = L->slot_of[keys[i].expert] ? NULL : list_victim(L);
         /* An unhit prefetch at the LRU end means only unhit prefetches are
          * left to evict: taking one would let a batch undo itself. */
         if (v && v->prefetched) v = NULL;
@@ -922,6 +938,8 @@ static void free_store(LruStore *s) {
         free(L->arena);
         free(L->slots);
         free(L->entries);
+        free(L->present);
+        free(L->slot_of);
     }
     free(s->layers);
     free(s->by_id);
@@ -1019,8 +1037,10 @@ static int build_layers(LruStore *s, const ColiLruConfig *cfg, char *err, size_t
         L->id = id;
         L->n_entries = max_expert[id] + 1;
         L->entries = calloc((size_t)L->n_entries, sizeof(Entry));
+        L->present = calloc((size_t)L->n_entries, sizeof(bool));
+        L->slot_of = calloc((size_t)L->n_entries, sizeof(Slot *));
         s->by_id[id] = L;
-        if (!L->entries) {
+        if (!L->entries || !L->present || !L->slot_of) {
             free(max_expert);
             return coli_fail(err, n, COLI_ENOMEM, "out of memory for layer %d", id);
         }
@@ -1028,8 +1048,9 @@ static int build_layers(LruStore *s, const ColiLruConfig *cfg, char *err, size_t
     free(max_expert);
     for (int i = 0; i < cfg->n_experts; i++) {
         const ColiExpertSource *x = &cfg->experts[i];
-        Entry *e = &s->by_id[x->layer]->entries[x->expert];
-        if (e->present)
+        Layer *L = s->by_id[x->layer];
+        Entry *e = &L->entries[x->expert];
+        if (L->present[x->expert])
             return coli_fail(err, n, COLI_ECONFIG, "layer %d expert %d is listed twice", x->layer, x->expert);
         char what[96];
         const ColiTensorSource *t[3] = {&x->gate, &x->up, &x->down};
@@ -1042,7 +1063,7 @@ static int build_layers(LruStore *s, const ColiLruConfig *cfg, char *err, size_t
         int rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
         if (rc) return rc;
         e->src = *x;
-        e->present = true;
+        L->present[x->expert] = true;
     }
     return COLI_OK;
 }
@@ -1073,7 +1094,7 @@ static int build_slots(LruStore *s, const ColiLruConfig *cfg, char *err, size_t 
         uint64_t footprint = 0;
         int present = 0;
         for (int x = 0; x < L->n_entries; x++) {
-            if (!L->entries[x].present) continue;
+            if (!L->present[x]) continue;
             present++;
             if (L->entries[x].plan.footprint > footprint) footprint = L->entries[x].plan.footprint;
         }
