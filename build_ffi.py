@@ -1,4 +1,5 @@
-"""cffi builder (API mode, out of line) for colibri's C core.
+"""cffi builder (API mode, out of line) for colibri's C core, and the
+CPython extension of the lease type (csrc/py_lease.c), built with the same flags.
 
 The cdef is read from the public headers themselves: '#' lines are dropped and
 the bodies of static inline functions are cut down to declarations, so the
@@ -15,7 +16,12 @@ from __future__ import annotations
 import os
 import re
 
+from typing import TYPE_CHECKING
+
 from cffi import FFI
+
+if TYPE_CHECKING:
+    from setuptools import Extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
@@ -74,6 +80,22 @@ ffibuilder.set_source(
     extra_link_args=_link,
     libraries=["pthread"],
 )
+
+
+def lease_extension() -> "Extension":
+    """colibri._lease: links none of the core (it gets the core's entry
+    points from the cffi module at run time), same flags as the core."""
+    from setuptools import Extension
+
+    return Extension(
+        "colibri._lease",
+        sources=[os.path.join("csrc", "py_lease.c")],  # relative: setuptools wants it so
+        include_dirs=[CSRC],
+        depends=[os.path.join(CSRC, h) for h in PUBLIC_HEADERS],
+        extra_compile_args=_compile,
+        extra_link_args=_link,
+    )
+
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -23,12 +23,17 @@ Safety rests on two facts:
 from __future__ import annotations
 
 import sys
+import threading
+import warnings
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-__all__ = ["Tenancy"]
+if TYPE_CHECKING:
+    from colibri._lease import LeaseBase
+
+__all__ = ["Tenancy", "Tenancies"]
 
 
 class _Pin:
@@ -101,3 +106,70 @@ class Tenancy:
     def defer(self, end_lease: Callable[[], None]) -> None:
         """Run end_lease once the last object reaching the slot's bytes dies."""
         weakref.finalize(self._pin, end_lease)
+
+
+Parts = tuple[tuple[np.dtype, tuple[int, int]] | None, ...]
+
+
+class Tenancies:
+    """One store's cached tenancies, by generation, and the lease protocol
+    around them: a lease joins its tenancy when it first hands out an array,
+    and leaves it when released (called from the C lease type)."""
+
+    __slots__ = ("_by_generation", "_lock", "_parts", "_limit")
+
+    def __init__(self, parts: dict[int, Parts], limit: int) -> None:
+        self._by_generation: dict[int, Tenancy] = {}
+        self._lock = threading.Lock()  # guards _by_generation and Tenancy.active
+        self._parts = parts            # per layer: (dtype, shape) of each array, as Tenancy takes
+        self._limit = limit            # tenancies kept while unused, about two per slot
+
+    def join(self, lease: LeaseBase) -> Tenancy:
+        """The cached arrays of lease's tenancy (built on first use), counted
+        as used by one more lease."""
+        generation = lease._generation
+        with self._lock:
+            tenancy = self._by_generation.get(generation)
+            if tenancy is not None:
+                tenancy.active += 1
+                return tenancy
+        base, _span, *offsets = lease._layout()
+        built = Tenancy(generation, base, offsets, self._parts[lease.layer])
+        with self._lock:
+            tenancy = self._by_generation.setdefault(generation, built)
+            tenancy.active += 1
+            if len(self._by_generation) > self._limit:
+                self._prune()
+        return tenancy
+
+    def _prune(self) -> None:
+        # Oldest first; a tenancy no lease uses is unreachable from outside
+        # (checked when its last lease ended), so dropping it is always safe.
+        # Caller holds _lock.
+        unused = [g for g, t in self._by_generation.items() if t.active == 0]
+        for generation in unused[: len(self._by_generation) // 2]:
+            del self._by_generation[generation]
+
+    def leave(self, lease: LeaseBase, tenancy: Tenancy) -> None:
+        """lease, which used tenancy's arrays, was released: its C lease ends
+        now, or, when the arrays escaped, with the last of them."""
+        with self._lock:
+            tenancy.active -= 1
+            escaped = tenancy.active == 0 and tenancy.escaped()
+            if escaped and self._by_generation.get(tenancy.generation) is tenancy:
+                del self._by_generation[tenancy.generation]
+        if not escaped:  # another lease still pins the slot, or nothing escaped
+            lease._end_c_lease()
+            return
+        tenancy.defer(lease._end_c_lease)
+        warnings.warn(
+            f"arrays of expert {lease.expert} of layer {lease.layer} outlive their lease; "
+            "the cache slot stays leased until they are deleted",
+            ResourceWarning,
+            stacklevel=2,  # the caller of release(), or the with block's frame
+        )
+
+    def clear(self) -> None:
+        """Forget every cached tenancy (their addresses point into freed memory)."""
+        with self._lock:
+            self._by_generation.clear()

@@ -15,15 +15,13 @@ import logging
 import math
 import operator
 import threading
-import warnings
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
 from colibri import _dtypes
-from colibri._ffi import ffi, lib
-from colibri._tenancy import Tenancy
+from colibri._ffi import LeaseBase, Leaser, ffi, lib
+from colibri._tenancy import Parts, Tenancies
 from colibri.errors import (
     FormatError,
     LeaseError,
@@ -41,21 +39,10 @@ log = logging.getLogger("colibri")
 
 DEFAULT_SLOTS_PER_LAYER = 8
 _ERR_LEN = 512
-_VIEW_POOL = 256  # released views kept for reuse, per store
 _INT_MAX = 2**31 - 1
 _ROLES = ("gate", "up", "down")
 
 
-@dataclass(frozen=True)
-class _LayerArrays:
-    """How to view one layer's slot bytes: (dtype, shape) of each weight and
-    scale, indexed like coli_view_layout's offsets (gate, up, down, then their
-    scales; None where a role is unscaled). All experts of a layer agree."""
-
-    parts: tuple[tuple[np.dtype, tuple[int, int]] | None, ...]
-
-
-_PART_NAMES = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
 
 
 def _check(rc: int, err: Any) -> None:
@@ -68,97 +55,29 @@ class _ThreadBuffers(threading.local):
 
     def __init__(self) -> None:
         self.err = ffi.new("char[]", _ERR_LEN)
-        self.layout = ffi.new("uint64_t[8]")
 
 
-class ExpertLease:
+class ExpertLease(LeaseBase):
     """One leased expert: ``gate``, ``up``, ``down`` are read-only numpy arrays
-    over the cache slot, valid while the lease (or any array from it) lives.
+    over the cache slot, valid while the lease (or any array from it) lives;
+    ``gate_scale``, ``up_scale``, ``down_scale`` are the block scales of an
+    fp8 block-scaled checkpoint, else None. ``layer``, ``expert`` and ``key``
+    name the expert.
 
     Use it as a context manager; leaving the block releases it. ``release()``
     does the same explicitly; releasing twice is a :class:`LeaseError`.
-    A lease belongs to one thread at a time.
+    ``released`` says whether it was. A lease belongs to one thread at a time.
+
+    Taking, entering and releasing a lease and getting its arrays run in C
+    (csrc/py_lease.c); a lease is made only by :meth:`Store.lease` and
+    :meth:`Store.lease_many`.
     """
 
-    __slots__ = ("_store", "layer", "expert", "_view", "_keepalive", "_tenancy", "_released")
-
-    def __init__(self, store: "Store", layer: int, expert: int, view: Any, keepalive: Any) -> None:
-        self._store = store
-        self.layer = layer
-        self.expert = expert
-        self._view = view
-        self._keepalive = keepalive
-        self._released = False
-        self._tenancy: Tenancy | None = None   # joined with the first array asked for
+    __slots__ = ()
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.layer, self.expert)
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def _array(self, i: int) -> np.ndarray | None:
-        if self._released:
-            raise LeaseError(f"layer {self.layer} expert {self.expert}: .{_PART_NAMES[i]} used after "
-                             "its lease was released")
-        tenancy = self._tenancy
-        if tenancy is None:
-            tenancy = self._tenancy = self._store._join_tenancy(self._view, self.layer)
-        return tenancy.arrays[i]
-
-    @property
-    def gate(self) -> np.ndarray:
-        """The gate projection, shape (intermediate, hidden) as stored."""
-        return self._array(0)  # type: ignore[return-value]
-
-    @property
-    def up(self) -> np.ndarray:
-        """The up projection, shape (intermediate, hidden) as stored."""
-        return self._array(1)  # type: ignore[return-value]
-
-    @property
-    def down(self) -> np.ndarray:
-        """The down projection, shape (hidden, intermediate) as stored."""
-        return self._array(2)  # type: ignore[return-value]
-
-    @property
-    def gate_scale(self) -> np.ndarray | None:
-        """Block scales of ``gate`` (fp8 block-scaled checkpoints), else None."""
-        return self._array(3)
-
-    @property
-    def up_scale(self) -> np.ndarray | None:
-        return self._array(4)
-
-    @property
-    def down_scale(self) -> np.ndarray | None:
-        return self._array(5)
-
-    def release(self) -> None:
-        """End the lease. Arrays still referenced elsewhere keep it alive until
-        they are gone (with a ResourceWarning)."""
-        if self._released:
-            raise LeaseError(f"lease of layer {self.layer} expert {self.expert} was already released")
-        self._released = True
-        tenancy, self._tenancy = self._tenancy, None
-        if tenancy is None or not self._store._leave_tenancy(tenancy, self._view, self._keepalive):
-            self._store._release(self._view, self._keepalive)
-            return
-        warnings.warn(
-            f"arrays of expert {self.expert} of layer {self.layer} outlive their lease; "
-            "the cache slot stays leased until they are deleted",
-            ResourceWarning,
-            stacklevel=3,
-        )
-
-    def __enter__(self) -> "ExpertLease":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._released:
-            self.release()
 
     def __repr__(self) -> str:
         return f"store.lease({self.layer}, {self.expert})"
@@ -203,10 +122,6 @@ class Store:
         self.model = model
         self._closed = False
         self._buffers = _ThreadBuffers()
-        self._free_views: list[Any] = []  # released views, reused by lease()
-        self._tenancies: dict[int, Tenancy] = {}  # by generation: arrays shared by leases
-        self._tenancy_lock = threading.Lock()     # guards _tenancies and Tenancy.active
-        self._arrays = {layer: _layer_arrays(model, layer) for layer in model.layers}
         self._handle = _create_handle(
             model,
             slots_per_layer=slots_per_layer,
@@ -219,8 +134,22 @@ class Store:
             prefetch_chunk_bytes=prefetch_chunk_bytes,
         )
         self._ops = self._handle.ops
-        # A tenancy per slot is enough to keep every hot expert's arrays.
-        self._tenancy_limit = 2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16
+        # Arrays shared by the leases of one slot tenancy; about one cached
+        # tenancy per slot is enough to keep every hot expert's arrays.
+        self._tenancies = Tenancies(
+            {layer: _layer_arrays(model, layer) for layer in model.layers},
+            limit=2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16,
+        )
+        self._leaser = Leaser(
+            self._handle,
+            int(ffi.cast("uintptr_t", self._handle)),
+            int(ffi.cast("uintptr_t", lib.coli_lease_entry_points())),
+            self._tenancies,
+            ExpertLease,
+            error_for,
+            LeaseError,
+        )
+        self._lease = self._leaser.lease
         self.prefetch_workers = prefetch_workers
         if direct_io and lib.coli_lru_direct_io_fallback(self._handle):
             log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
@@ -263,19 +192,8 @@ class Store:
         """Lease one expert (blocking on a miss). Use as a context manager."""
         if self._closed:
             raise StoreClosedError("the store is closed")
-        if type(layer) is not int or type(expert) is not int:
-            layer, expert = operator.index(layer), operator.index(expert)
-        if not (-_INT_MAX <= layer <= _INT_MAX and -_INT_MAX <= expert <= _INT_MAX):
-            raise UnknownExpertError(f"layer {layer} has no expert {expert}")
-        views = self._free_views
-        view = views.pop() if views else ffi.new("ColiExpertView *")
-        err = self._buffers.err
-        # The C call releases the GIL; from its success on the lease is ours.
-        rc = lib.coli_lru_lookup(self._handle, layer, expert, view, err, _ERR_LEN)
-        if rc:
-            views.append(view)  # a failed lookup leaves the view zeroed
-            _check(rc, err)
-        return ExpertLease(self, layer, expert, view, None)
+        # C: a hit is taken holding the GIL; a miss drops it to read or wait.
+        return self._lease(layer, expert)  # type: ignore[return-value]
 
     def lease_many(self, layer: int, experts: Iterable[int]) -> LeaseGroup:
         """Lease several experts of one layer, all or nothing, in the given
@@ -289,57 +207,7 @@ class Store:
         for e in (layer, *wanted):
             if not -_INT_MAX <= e <= _INT_MAX:
                 raise UnknownExpertError(f"layer {layer} has no expert {e}")
-        views = ffi.new("ColiExpertView[]", len(wanted))
-        ids = ffi.new("int[]", wanted)
-        err = self._buffers.err
-        _check(lib.coli_lru_lookup_many(self._handle, layer, ids, len(wanted), views, err, _ERR_LEN), err)
-        return LeaseGroup(ExpertLease(self, layer, e, views + i, views) for i, e in enumerate(wanted))
-
-    def _join_tenancy(self, view: Any, layer: int) -> Tenancy:
-        """The cached arrays of view's tenancy (built on first use), counted
-        as used by one more lease."""
-        generation = int(view.lease_generation)
-        with self._tenancy_lock:
-            tenancy = self._tenancies.get(generation)
-            if tenancy is not None:
-                tenancy.active += 1
-                return tenancy
-        layout = self._buffers.layout
-        lib.coli_view_layout(view, layout)
-        base, _span, *offsets = ffi.unpack(layout, 8)
-        built = Tenancy(generation, base, offsets, self._arrays[layer].parts)
-        with self._tenancy_lock:
-            tenancy = self._tenancies.setdefault(generation, built)
-            tenancy.active += 1
-            if len(self._tenancies) > self._tenancy_limit:
-                self._prune_tenancies()
-        return tenancy
-
-    def _prune_tenancies(self) -> None:
-        # Oldest first; a tenancy no lease uses is unreachable from outside
-        # (checked when its last lease ended), so dropping it is always safe.
-        # Caller holds _tenancy_lock.
-        for generation in [g for g, t in self._tenancies.items() if t.active == 0][: len(self._tenancies) // 2]:
-            del self._tenancies[generation]
-
-    def _leave_tenancy(self, tenancy: Tenancy, view: Any, keepalive: Any) -> bool:
-        """A lease that used tenancy's arrays ends. Returns False when the
-        caller may end the C lease now; True when its arrays escaped, in which
-        case the C lease now ends with the last of them."""
-        with self._tenancy_lock:
-            tenancy.active -= 1
-            if tenancy.active or not tenancy.escaped():
-                return False  # another lease still pins the slot, or nothing escaped
-            if self._tenancies.get(tenancy.generation) is tenancy:
-                del self._tenancies[tenancy.generation]
-        tenancy.defer(lambda: self._release(view, keepalive))
-        return True
-
-    def _release(self, view: Any, keepalive: Any) -> None:
-        """Ends the C lease of view (from release(), or when its anchor dies)."""
-        lib.coli_expert_release(self._handle, view)  # zeroes the view
-        if keepalive is None and len(self._free_views) < _VIEW_POOL:
-            self._free_views.append(view)
+        return LeaseGroup(self._leaser.lease_many(layer, wanted))
 
     # -- prefetch --
 
@@ -424,8 +292,7 @@ class Store:
         err = self._buffers.err
         _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
-        with self._tenancy_lock:
-            self._tenancies.clear()  # their addresses point into freed slot memory now
+        self._tenancies.clear()  # their addresses point into freed slot memory now
 
     def __enter__(self) -> "Store":
         return self
@@ -444,7 +311,10 @@ class Store:
         return f"<colibri.Store {self.model.layout} {state}>"
 
 
-def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
+def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
+    """How to view one layer's slot bytes: (dtype, shape) of each weight and
+    scale, indexed like coli_view_layout's offsets (gate, up, down, then their
+    scales; None where a role is unscaled). All experts of a layer agree."""
     ex = model.expert(layer, next(iter(model.experts[layer])))
     parts: list[tuple[np.dtype, tuple[int, int]] | None] = []
     for info in [ex.weight(r) for r in _ROLES] + [ex.scale(r) for r in _ROLES]:
@@ -455,7 +325,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> _LayerArrays:
         assert dt is not None and dt.numpy is not None
         rows, cols = info.shape
         parts.append((np.dtype(dt.numpy), (rows, cols)))
-    return _LayerArrays(tuple(parts))
+    return tuple(parts)
 
 
 def _fill_source(dst: Any, ex: Any, role: str) -> None:

@@ -479,13 +479,13 @@ static bool release_locked(Layer *L, ColiExpertView *view);
 
 /* ---- ops ------------------------------------------------------------- */
 
-/* The lookup. With may_wait_full false, a layer whose slots are all leased
- * fails at once with COLI_EFULL (lookup_many then backs off and retries). */
+/* The lookup. With hit_only, an expert that is not resident now is not
+ * waited for or read: COLI_EAGAIN, nothing counted, the view zeroed. */
 static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
-                       bool may_wait_full, char *err, size_t n);
+                       bool hit_only, char *err, size_t n);
 
-int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
-                    ColiExpertView *view, char *err, size_t n) {
+static int guarded_lookup(ColiExpertStore *store, int layer, int expert, ColiExpertView *view,
+                          bool hit_only, char *err, size_t n) {
     LruStore *s = store_of(store);
     Layer *L = s ? find_layer(s, layer) : NULL;
     if (L && !call_enter(s, &L->calls)) {
@@ -493,14 +493,24 @@ int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
         return coli_fail(err, n, COLI_ECLOSED, "lookup of layer %d expert %d: the store is closed",
                          layer, expert);
     }
-    int rc = lookup_impl(s, layer, expert, view, true, err, n);
+    int rc = lookup_impl(s, layer, expert, view, hit_only, err, n);
     if (L) call_leave(&L->calls);
     return rc;
 }
 
+int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
+                    ColiExpertView *view, char *err, size_t n) {
+    return guarded_lookup(store, layer, expert, view, false, err, n);
+}
+
+int coli_lru_lookup_resident(ColiExpertStore *store, int layer, int expert, ColiExpertView *view) {
+    int rc = guarded_lookup(store, layer, expert, view, true, NULL, 0);
+    return rc == COLI_OK ? COLI_OK : COLI_EAGAIN;
+}
+
 
 static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
-                       bool may_wait_full, char *err, size_t n) {
+                       bool hit_only, char *err, size_t n) {
     if (!view) return coli_fail(err, n, COLI_EINVAL, "lookup of layer %d expert %d: view is NULL", layer, expert);
     if (!s) {
         memset(view, 0, sizeof(*view));
@@ -538,6 +548,10 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
             pthread_mutex_unlock(&L->mu);
             return COLI_OK;
         }
+        if (hit_only) {
+            pthread_mutex_unlock(&L->mu);
+            return COLI_EAGAIN;
+        }
         if (v && v->state == SLOT_READING) {   /* join that load */
             if (!joined) L->c.inflight_joins++;
             joined = true;
@@ -558,10 +572,6 @@ static int lookup_impl(LruStore *s, int layer, int expert, ColiExpertView *view,
             continue;
         }
         /* Every slot is leased: wait for a release, up to the timeout. */
-        if (!may_wait_full) {
-            pthread_mutex_unlock(&L->mu);
-            return COLI_EFULL;
-        }
         if (!full_wait) {
             full_wait = true;
             L->c.slot_waits++;
@@ -1323,3 +1333,12 @@ int coli_lru_direct_io_fallback(ColiExpertStore *store) {
     LruStore *s = store_of(store);
     return s ? s->files.direct_fallback : 0;
 }
+
+static const ColiLeaseEntryPoints LEASE_ENTRY_POINTS = {
+    .lookup = coli_lru_lookup,
+    .lookup_resident = coli_lru_lookup_resident,
+    .lookup_many = coli_lru_lookup_many,
+    .view_layout = coli_view_layout,
+};
+
+const ColiLeaseEntryPoints *coli_lease_entry_points(void) { return &LEASE_ENTRY_POINTS; }

@@ -52,7 +52,8 @@ enum {
     COLI_ELEASE = -7,       /* lease misuse, e.g. lookup into a view holding a lease */
     COLI_ETHREAD = -8,      /* a thread or lock could not be created */
     COLI_ETIMEOUT = -9,     /* a wait for idle ended at its timeout */
-    COLI_ECLOSED = -10      /* the store was closed with coli_lru_close */
+    COLI_ECLOSED = -10,     /* the store was closed with coli_lru_close */
+    COLI_EAGAIN = -11       /* coli_lru_lookup_resident: not a hit now; do a full lookup */
 };
 
 /* Where one tensor's bytes are: a range of one file, plus its scales. */
@@ -116,6 +117,30 @@ int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
 int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
                          int count, ColiExpertView *views, char *err,
                          size_t err_len);
+
+/* The lookup's hit and nothing else: when the expert is resident now, leases
+ * it to view exactly as coli_lru_lookup would and returns 0; otherwise
+ * (missing, loading, unknown, closed, anything) returns COLI_EAGAIN having
+ * changed nothing but zeroing the view. It never waits for a read, only for
+ * the layer's mutex, so a binding may call it without dropping its
+ * interpreter lock and fall back to coli_lru_lookup. */
+int coli_lru_lookup_resident(ColiExpertStore *store, int layer, int expert,
+                             ColiExpertView *view);
+
+/* The lease entry points behind one pointer, for a binding that calls the
+ * store without linking the library (colibri's CPython lease type gets
+ * this address from the cffi extension). Release is the store's op
+ * (coli_expert_release). */
+typedef struct {
+    int (*lookup)(ColiExpertStore *store, int layer, int expert, ColiExpertView *view,
+                  char *err, size_t err_len);
+    int (*lookup_resident)(ColiExpertStore *store, int layer, int expert, ColiExpertView *view);
+    int (*lookup_many)(ColiExpertStore *store, int layer, const int *experts, int count,
+                       ColiExpertView *views, char *err, size_t err_len);
+    int (*view_layout)(const ColiExpertView *view, uint64_t *out);
+} ColiLeaseEntryPoints;
+
+const ColiLeaseEntryPoints *coli_lease_entry_points(void);
 
 /* Frees the slot memory, stops the I/O pool and closes the files, unless a
  * lease is held or a lookup or prefetch is in progress (COLI_ELEASE, nothing

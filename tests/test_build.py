@@ -4,6 +4,7 @@ really loads the sanitized extension."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,12 @@ def test_sanitizer_build_is_the_one_loaded() -> None:
     if not want:
         pytest.skip("not a sanitizer run (.ci/sanitizers sets COLIBRI_EXPECT_SANITIZER)")
     import colibri._colibri_cffi as compiled
+    import colibri._lease as lease_type
 
-    assert Path(compiled.__file__).resolve().is_relative_to(Path(os.environ["PYTHONPATH"]).resolve())
-    maps = Path("/proc/self/maps").read_text()
     runtime = "libtsan" if want == "thread" else "libasan"
-    assert runtime in maps
+    assert runtime in Path("/proc/self/maps").read_text()
+    for module in (compiled, lease_type):   # both extensions: built here, with the sanitizer
+        path = Path(module.__file__ or "")
+        assert path.resolve().is_relative_to(Path(os.environ["PYTHONPATH"]).resolve())
+        needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        assert runtime in needed, f"{path.name} is not linked with {runtime}"

@@ -1,0 +1,506 @@
+/*
+ * py_lease.c: the lease of one expert as a CPython type (colibri._lease).
+ *
+ * store.lease() is the call an engine makes for every expert of every token,
+ * so its hit runs here: the key is parsed, a resident expert is leased while
+ * the GIL is held (a hit never waits for a read, only for the layer's
+ * mutex), and only a miss drops the GIL for the lookup that may read or
+ * wait. __enter__, __exit__, release() and the arrays' getters are C too
+ * (each array is built once per slot tenancy and shared). What stays in Python
+ * (colibri/store.py, _tenancy.py) is everything off the hit path: the numpy
+ * arrays and their lifetime anchors (ExpertLease subclasses LeaseBase), the
+ * exception classes, and ending a lease whose arrays were used
+ * (Tenancies.leave).
+ *
+ * The module links none of the C core. It calls it through the entry points
+ * table the cffi extension hands over (coli_lease_entry_points()) and
+ * releases through the store's own op, so both extensions act on one store.
+ * It keeps no state of its own: everything hangs off a Leaser, one per store.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <structmember.h>
+
+#include "lru_store.h"
+
+#define ERRLEN 512
+
+typedef struct {
+    PyObject_HEAD
+    ColiExpertStore *handle;
+    const ColiLeaseEntryPoints *api;
+    PyObject *handle_owner;     /* the cffi handle; the store lives as long as it does */
+    PyObject *tenancies;        /* the store's colibri._tenancy.Tenancies */
+    PyTypeObject *lease_type;   /* LeaseBase or a subclass: what lease() makes */
+    PyObject *error_for;        /* error_for(code, message) -> exception instance */
+    PyObject *lease_error;      /* the class raised for a second release */
+} Leaser;
+
+typedef struct {
+    PyObject_HEAD
+    Leaser *leaser;             /* NULL only while being made */
+    PyObject *tenancy;          /* the Tenancy whose arrays this lease uses, or NULL */
+    PyObject *arrays;           /* tenancy.arrays, while tenancy is set */
+    int layer, expert;
+    char released;
+    ColiExpertView view;
+} Lease;
+
+static PyTypeObject LeaserType;
+static PyTypeObject LeaseBaseType;
+
+/* ---- errors ---------------------------------------------------------- */
+
+/* Raises error_for(code, message); returns NULL. */
+static PyObject *raise_code(Leaser *lr, int code, PyObject *message) {
+    if (!message) return NULL;
+    PyObject *exc = PyObject_CallFunction(lr->error_for, "iO", code, message);
+    Py_DECREF(message);
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static PyObject *raise_c_error(Leaser *lr, int code, const char *err) {
+    return raise_code(lr, code, PyUnicode_DecodeUTF8(err, (Py_ssize_t)strnlen(err, ERRLEN), "replace"));
+}
+
+/* ---- Leaser ---------------------------------------------------------- */
+
+/* An int object as a C int; -1 with an exception when it does not fit. */
+static int as_int(PyObject *o, int *out) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v > INT_MAX || v < INT_MIN) {
+        PyErr_SetString(PyExc_OverflowError, "does not fit a C int");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static void *address_of(PyObject *number, const char *what) {
+    void *p = PyLong_AsVoidPtr(number);
+    if (!p && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "Leaser: %s is NULL", what);
+    return p;
+}
+
+static PyObject *leaser_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"handle_owner", "handle", "entry_points", "tenancies", "lease_type",
+                            "error_for", "lease_error", NULL};
+    PyObject *owner, *handle, *api, *tenancies, *lease_type, *error_for, *lease_error;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO:Leaser", names, &owner, &handle, &api,
+                                     &tenancies, &lease_type, &error_for, &lease_error))
+        return NULL;
+    if (!PyType_Check(lease_type) || !PyType_IsSubtype((PyTypeObject *)lease_type, &LeaseBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "Leaser: lease_type must be LeaseBase or a subclass");
+        return NULL;
+    }
+    ColiExpertStore *h = address_of(handle, "handle");
+    const ColiLeaseEntryPoints *ep = h ? address_of(api, "entry_points") : NULL;
+    if (!ep) return NULL;
+    Leaser *self = (Leaser *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->handle = h;
+    self->api = ep;
+    self->handle_owner = Py_NewRef(owner);
+    self->tenancies = Py_NewRef(tenancies);
+    self->lease_type = (PyTypeObject *)Py_NewRef(lease_type);
+    self->error_for = Py_NewRef(error_for);
+    self->lease_error = Py_NewRef(lease_error);
+    return (PyObject *)self;
+}
+
+static int leaser_traverse(Leaser *self, visitproc visit, void *arg) {
+    Py_VISIT(self->handle_owner);
+    Py_VISIT(self->tenancies);
+    Py_VISIT(self->lease_type);
+    Py_VISIT(self->error_for);
+    Py_VISIT(self->lease_error);
+    return 0;
+}
+
+static int leaser_clear(Leaser *self) {
+    Py_CLEAR(self->handle_owner);
+    Py_CLEAR(self->tenancies);
+    Py_CLEAR(self->lease_type);
+    Py_CLEAR(self->error_for);
+    Py_CLEAR(self->lease_error);
+    return 0;
+}
+
+static void leaser_dealloc(Leaser *self) {
+    PyObject_GC_UnTrack(self);
+    leaser_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* One int of a key: any integer (numpy's too), as Python's operator.index
+ * takes it. Returns 0 and *out when it fits a C int; 1 when it does not
+ * (*index keeps the integer, for the message); -1 with an exception. */
+static int key_part(PyObject *o, int *out, PyObject **index) {
+    PyObject *i = PyNumber_Index(o);
+    if (!i) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(i, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(i);
+        return -1;
+    }
+    if (overflow || v > INT_MAX || v < -INT_MAX) {
+        *index = i;
+        return 1;
+    }
+    Py_DECREF(i);
+    *out = (int)v;
+    return 0;
+}
+
+/* A new lease object holding no lease yet (released, so that losing it
+ * early ends nothing). */
+static Lease *new_lease(Leaser *lr, int layer, int expert) {
+    Lease *lease = (Lease *)lr->lease_type->tp_alloc(lr->lease_type, 0);
+    if (!lease) return NULL;
+    lease->leaser = (Leaser *)Py_NewRef(lr);
+    lease->layer = layer;
+    lease->expert = expert;
+    lease->released = 1;
+    return lease;
+}
+
+static PyObject *leaser_lease(Leaser *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "lease() takes a layer and an expert (%zd given)", nargs);
+        return NULL;
+    }
+    int layer = 0, expert = 0;
+    PyObject *big_layer = NULL, *big_expert = NULL;
+    int a = key_part(args[0], &layer, &big_layer);
+    int b = a < 0 ? -1 : key_part(args[1], &expert, &big_expert);
+    if (a < 0 || b < 0 || a > 0 || b > 0) {
+        PyObject *msg = NULL;
+        if (a >= 0 && b >= 0)   /* beyond any C int: no such expert, said like the C core does */
+            msg = PyUnicode_FromFormat("layer %S has no expert %S", big_layer ? big_layer : args[0],
+                                       big_expert ? big_expert : args[1]);
+        Py_XDECREF(big_layer);
+        Py_XDECREF(big_expert);
+        return msg ? raise_code(self, COLI_ENOTFOUND, msg) : NULL;
+    }
+    /* Made before the lookup: once the C lease is taken nothing may fail. */
+    Lease *lease = new_lease(self, layer, expert);
+    if (!lease) return NULL;
+    int rc = self->api->lookup_resident(self->handle, layer, expert, &lease->view);
+    if (rc == COLI_EAGAIN) {
+        char err[ERRLEN];
+        err[0] = '\0';
+        Py_BEGIN_ALLOW_THREADS
+        rc = self->api->lookup(self->handle, layer, expert, &lease->view, err, sizeof err);
+        Py_END_ALLOW_THREADS
+        if (rc != COLI_OK) {
+            Py_DECREF(lease);
+            return raise_c_error(self, rc, err);
+        }
+    }
+    lease->released = 0;
+    return (PyObject *)lease;
+}
+
+/* lease_many(layer, experts): experts is a list of ints the caller checked
+ * to fit a C int, at least one. Returns a tuple of leases, in order. */
+static PyObject *leaser_lease_many(Leaser *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyLong_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "lease_many() takes a layer and a list of experts");
+        return NULL;
+    }
+    int layer;
+    if (as_int(args[0], &layer) < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(args[1]);
+    if (count < 1 || count > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "lease_many(): between 1 and INT_MAX experts");
+        return NULL;
+    }
+    int *ids = PyMem_Malloc(sizeof(int) * (size_t)count);
+    ColiExpertView *views = PyMem_Calloc((size_t)count, sizeof(ColiExpertView));
+    PyObject *out = PyTuple_New(count);
+    if (!ids || !views || !out) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (as_int(PyList_GET_ITEM(args[1], i), &ids[i]) < 0) goto fail;
+        Lease *lease = new_lease(self, layer, ids[i]);
+        if (!lease) goto fail;
+        PyTuple_SET_ITEM(out, i, (PyObject *)lease);
+    }
+    char err[ERRLEN];
+    err[0] = '\0';
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->api->lookup_many(self->handle, layer, ids, (int)count, views, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (rc != COLI_OK) {
+        raise_c_error(self, rc, err);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Lease *lease = (Lease *)PyTuple_GET_ITEM(out, i);
+        lease->view = views[i];   /* a lease is named by its slot and generation: a copy holds it */
+        lease->released = 0;
+    }
+    PyMem_Free(ids);
+    PyMem_Free(views);
+    return out;
+fail:
+    PyMem_Free(ids);
+    PyMem_Free(views);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyMethodDef leaser_methods[] = {
+    {"lease", (PyCFunction)(void (*)(void))leaser_lease, METH_FASTCALL,
+     "lease(layer, expert) -> a lease of that expert (see Store.lease)"},
+    {"lease_many", (PyCFunction)(void (*)(void))leaser_lease_many, METH_FASTCALL,
+     "lease_many(layer, experts: list[int]) -> tuple of leases, all or nothing"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LeaserType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._lease.Leaser",
+    .tp_doc = "Makes the leases of one store.",
+    .tp_basicsize = sizeof(Leaser),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = leaser_new,
+    .tp_dealloc = (destructor)leaser_dealloc,
+    .tp_traverse = (traverseproc)leaser_traverse,
+    .tp_clear = (inquiry)leaser_clear,
+    .tp_methods = leaser_methods,
+};
+
+/* ---- LeaseBase ------------------------------------------------------- */
+
+static int lease_traverse(Lease *self, visitproc visit, void *arg) {
+    Py_VISIT(self->leaser);
+    Py_VISIT(self->tenancy);
+    Py_VISIT(self->arrays);
+    return 0;
+}
+
+static int lease_clear(Lease *self) {
+    Py_CLEAR(self->arrays);
+    Py_CLEAR(self->tenancy);
+    Py_CLEAR(self->leaser);
+    return 0;
+}
+
+static PyObject *lease_release(Lease *self, PyObject *Py_UNUSED(ignored));
+
+/* A lease dropped without release() is released then, with a
+ * ResourceWarning, as Python does for a file left open: otherwise its slot
+ * would stay leased for good. Its arrays, if any escaped, still keep the C
+ * lease (Tenancies.leave). */
+static void lease_finalize(Lease *self) {
+    if (self->released || !self->leaser) return;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *pending = PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+#endif
+    if (PyErr_WarnFormat(PyExc_ResourceWarning, 1,
+                         "lease of layer %d expert %d was never released; released as garbage",
+                         self->layer, self->expert) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyObject *r = lease_release(self, NULL);
+    if (r) Py_DECREF(r);
+    else PyErr_WriteUnraisable((PyObject *)self);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(pending);
+#else
+    PyErr_Restore(type, value, tb);
+#endif
+}
+
+static void lease_dealloc(Lease *self) {
+    /* A Python subclass's instance comes here from subtype_dealloc, which
+     * drops the reference to its (heap) type itself. */
+    PyObject_GC_UnTrack(self);
+    lease_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Ends the C lease now. Safe to call again: a zeroed view is ignored. */
+static void end_c_lease(Lease *self) {
+    if (self->leaser && self->view.lease) coli_expert_release(self->leaser->handle, &self->view);
+}
+
+static PyObject *lease_release(Lease *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->released) {
+        PyErr_Format(self->leaser->lease_error, "lease of layer %d expert %d was already released",
+                     self->layer, self->expert);
+        return NULL;
+    }
+    self->released = 1;
+    PyObject *tenancy = self->tenancy;
+    self->tenancy = NULL;
+    Py_CLEAR(self->arrays);
+    if (!tenancy) {
+        end_c_lease(self);
+        Py_RETURN_NONE;
+    }
+    /* Its arrays were used: Tenancies.leave sees whether they escaped. */
+    PyObject *r = PyObject_CallMethod(self->leaser->tenancies, "leave", "OO", (PyObject *)self, tenancy);
+    Py_DECREF(tenancy);
+    return r;
+}
+
+static PyObject *lease_enter(Lease *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_NewRef((PyObject *)self);
+}
+
+static PyObject *lease_exit(Lease *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)args;
+    (void)nargs;
+    if (self->released) Py_RETURN_NONE;
+    PyObject *r = lease_release(self, NULL);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lease_end_c_lease(Lease *self, PyObject *Py_UNUSED(ignored)) {
+    end_c_lease(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lease_layout(Lease *self, PyObject *Py_UNUSED(ignored)) {
+    uint64_t out[8];
+    if (!self->leaser || self->leaser->api->view_layout(&self->view, out) != COLI_OK) {
+        PyErr_Format(PyExc_RuntimeError, "layer %d expert %d: the lease holds no C lease",
+                     self->layer, self->expert);
+        return NULL;
+    }
+    return Py_BuildValue("(KKKKKKKK)", (unsigned long long)out[0], (unsigned long long)out[1],
+                         (unsigned long long)out[2], (unsigned long long)out[3],
+                         (unsigned long long)out[4], (unsigned long long)out[5],
+                         (unsigned long long)out[6], (unsigned long long)out[7]);
+}
+
+static PyMethodDef lease_methods[] = {
+    {"release", (PyCFunction)lease_release, METH_NOARGS,
+     "End the lease. Releasing twice is a LeaseError."},
+    {"__enter__", (PyCFunction)lease_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))lease_exit, METH_FASTCALL, NULL},
+    {"_end_c_lease", (PyCFunction)lease_end_c_lease, METH_NOARGS,
+     "End the C lease now (the store calls it; ending twice is harmless)."},
+    {"_layout", (PyCFunction)lease_layout, METH_NOARGS,
+     "coli_view_layout of the lease's view: (base, span, 6 offsets)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static const char *const PART_NAMES[] = {"gate", "up", "down", "gate_scale", "up_scale", "down_scale"};
+
+/* One of the lease's arrays (None for a scale the checkpoint has not). The
+ * first asks the store's Tenancies for the arrays of this slot tenancy. */
+static PyObject *lease_part(Lease *self, void *closure) {
+    Py_ssize_t i = (Py_ssize_t)(intptr_t)closure;
+    if (self->released) {
+        PyErr_Format(self->leaser->lease_error, "layer %d expert %d: .%s used after its lease was released",
+                     self->layer, self->expert, PART_NAMES[i]);
+        return NULL;
+    }
+    if (!self->tenancy) {
+        self->tenancy = PyObject_CallMethod(self->leaser->tenancies, "join", "O", (PyObject *)self);
+        if (!self->tenancy) return NULL;
+    }
+    if (!self->arrays) {
+        PyObject *arrays = PyObject_GetAttrString(self->tenancy, "arrays");
+        if (arrays && (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != 6)) {
+            PyErr_SetString(PyExc_TypeError, "Tenancy.arrays must be a tuple of 6");
+            Py_CLEAR(arrays);
+        }
+        if (!arrays) return NULL;
+        self->arrays = arrays;
+    }
+    return Py_NewRef(PyTuple_GET_ITEM(self->arrays, i));
+}
+
+static PyObject *lease_get_released(Lease *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->released);
+}
+
+static PyObject *lease_get_generation(Lease *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(self->view.lease_generation);
+}
+
+static PyObject *lease_get_tenancies(Lease *self, void *Py_UNUSED(closure)) {
+    if (!self->leaser) Py_RETURN_NONE;
+    return Py_NewRef(self->leaser->tenancies);
+}
+
+
+static PyGetSetDef lease_getset[] = {
+    {"gate", (getter)lease_part, NULL, "The gate projection, shape (intermediate, hidden) as stored.",
+     (void *)0},
+    {"up", (getter)lease_part, NULL, "The up projection, shape (intermediate, hidden) as stored.",
+     (void *)1},
+    {"down", (getter)lease_part, NULL, "The down projection, shape (hidden, intermediate) as stored.",
+     (void *)2},
+    {"gate_scale", (getter)lease_part, NULL,
+     "Block scales of gate (fp8 block-scaled checkpoints), else None.", (void *)3},
+    {"up_scale", (getter)lease_part, NULL, "Block scales of up, else None.", (void *)4},
+    {"down_scale", (getter)lease_part, NULL, "Block scales of down, else None.", (void *)5},
+    {"released", (getter)lease_get_released, NULL, "True once release() ran.", NULL},
+    {"_generation", (getter)lease_get_generation, NULL, "The slot tenancy leased.", NULL},
+    {"_tenancies", (getter)lease_get_tenancies, NULL, "The store's Tenancies.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef lease_members[] = {
+    {"layer", T_INT, offsetof(Lease, layer), READONLY, "The model's layer index."},
+    {"expert", T_INT, offsetof(Lease, expert), READONLY, "The expert's index in its layer."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject LeaseBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._lease.LeaseBase",
+    .tp_doc = "One leased expert; made only by a Leaser.",
+    .tp_basicsize = sizeof(Lease),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_dealloc = (destructor)lease_dealloc,
+    .tp_finalize = (destructor)lease_finalize,
+    .tp_traverse = (traverseproc)lease_traverse,
+    .tp_clear = (inquiry)lease_clear,
+    .tp_methods = lease_methods,
+    .tp_getset = lease_getset,
+    .tp_members = lease_members,
+};
+
+/* ---- module ---------------------------------------------------------- */
+
+static struct PyModuleDef lease_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "colibri._lease",
+    .m_doc = "colibri's lease hit path in C (see csrc/py_lease.c).",
+    .m_size = 0,
+};
+
+PyMODINIT_FUNC PyInit__lease(void) {
+    if (PyType_Ready(&LeaseBaseType) < 0 || PyType_Ready(&LeaserType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&lease_module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "LeaseBase", (PyObject *)&LeaseBaseType) < 0 ||
+        PyModule_AddObjectRef(m, "Leaser", (PyObject *)&LeaserType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
