@@ -20,8 +20,8 @@ from typing import Any, Iterable, Sequence, Union
 import numpy as np
 
 from colibri import _dtypes
-from colibri._ffi import LeaseBase, Leaser, ffi, lib
-from colibri._tenancy import Parts, Tenancies
+from colibri._ffi import LeaseBase, Leaser, Tenancies, ffi, lib
+from colibri._tenancy import Parts, TenancyBuilder, defer
 from colibri.errors import (
     FormatError,
     LeaseError,
@@ -137,7 +137,8 @@ class Store:
         # Arrays shared by the leases of one slot tenancy; about one cached
         # tenancy per slot is enough to keep every hot expert's arrays.
         self._tenancies = Tenancies(
-            {layer: _layer_arrays(model, layer) for layer in model.layers},
+            TenancyBuilder({layer: _layer_arrays(model, layer) for layer in model.layers}).build,
+            defer,
             limit=2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16,
         )
         self._leaser = Leaser(

@@ -29,12 +29,35 @@
 
 #define ERRLEN 512
 
+/* The arrays of one slot tenancy (an expert loaded into a slot), shared by
+ * every lease of it; built by colibri._tenancy.TenancyBuilder. */
+typedef struct {
+    PyObject_HEAD
+    unsigned long long generation;
+    PyObject *arrays;           /* tuple of 6: gate, up, down and their scales (or None) */
+    PyObject *chain;            /* list of every object through which Python reaches the bytes */
+    Py_ssize_t *baseline;       /* Py_REFCNT of each, when the tenancy was made */
+    Py_ssize_t n_chain;
+    Py_ssize_t active;          /* leases using the arrays now */
+    PyObject *pin;              /* referenced by every owner: its death ends a deferred lease */
+} Tenancy;
+
+/* One store's cached tenancies and the lease counts on them. Join and leave
+ * run in C holding the GIL, so they need no lock of their own. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *by_generation;    /* dict: generation -> Tenancy, oldest first */
+    PyObject *build;            /* build(lease) -> Tenancy */
+    PyObject *defer;            /* defer(tenancy, lease): hand the C lease to the arrays */
+    Py_ssize_t limit;           /* tenancies cached; unused ones beyond it are dropped */
+} Tenancies;
+
 typedef struct {
     PyObject_HEAD
     ColiExpertStore *handle;
     const ColiLeaseEntryPoints *api;
     PyObject *handle_owner;     /* the cffi handle; the store lives as long as it does */
-    PyObject *tenancies;        /* the store's colibri._tenancy.Tenancies */
+    Tenancies *tenancies;       /* the store's */
     PyTypeObject *lease_type;   /* LeaseBase or a subclass: what lease() makes */
     PyObject *error_for;        /* error_for(code, message) -> exception instance */
     PyObject *lease_error;      /* the class raised for a second release */
@@ -43,8 +66,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Leaser *leaser;             /* NULL only while being made */
-    PyObject *tenancy;          /* the Tenancy whose arrays this lease uses, or NULL */
-    PyObject *arrays;           /* tenancy.arrays, while tenancy is set */
+    Tenancy *tenancy;           /* the tenancy whose arrays this lease uses, or NULL */
     int layer, expert;
     char released;
     ColiExpertView view;
@@ -52,6 +74,8 @@ typedef struct {
 
 static PyTypeObject LeaserType;
 static PyTypeObject LeaseBaseType;
+static PyTypeObject TenancyType;
+static PyTypeObject TenanciesType;
 
 /* ---- errors ---------------------------------------------------------- */
 
@@ -70,6 +94,275 @@ static PyObject *raise_code(Leaser *lr, int code, PyObject *message) {
 static PyObject *raise_c_error(Leaser *lr, int code, const char *err) {
     return raise_code(lr, code, PyUnicode_DecodeUTF8(err, (Py_ssize_t)strnlen(err, ERRLEN), "replace"));
 }
+
+/* ---- Tenancy --------------------------------------------------------- */
+
+/* Tenancy(generation, arrays, chain, pin). The reference counts of chain's
+ * objects are taken now as the baseline: the caller must hold no transient
+ * reference to any of them (TenancyBuilder.build sees to it). */
+static PyObject *tenancy_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"generation", "arrays", "chain", "pin", NULL};
+    unsigned long long generation;
+    PyObject *arrays, *chain, *pin;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KO!O!O:Tenancy", names, &generation,
+                                     &PyTuple_Type, &arrays, &PyList_Type, &chain, &pin))
+        return NULL;
+    if (PyTuple_GET_SIZE(arrays) != 6) {
+        PyErr_SetString(PyExc_ValueError, "Tenancy: arrays must hold 6 entries");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(chain);
+    Py_ssize_t *baseline = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (!baseline) return PyErr_NoMemory();
+    Tenancy *self = (Tenancy *)type->tp_alloc(type, 0);
+    if (!self) {
+        PyMem_Free(baseline);
+        return NULL;
+    }
+    self->generation = generation;
+    self->arrays = Py_NewRef(arrays);
+    /* The builder's own list, not a copy: a copy's references would be
+     * counted now, and the builder's list would be gone at a check. */
+    self->chain = Py_NewRef(chain);
+    self->pin = Py_NewRef(pin);
+    self->baseline = baseline;
+    self->n_chain = n;
+    for (Py_ssize_t i = 0; i < n; i++) baseline[i] = Py_REFCNT(PyList_GET_ITEM(self->chain, i));
+    return (PyObject *)self;
+}
+
+/* True when anything besides the tenancy refers to an object of its chain:
+ * a count can only rise above its baseline, and only from outside. */
+static int tenancy_escaped(const Tenancy *t) {
+    for (Py_ssize_t i = 0; i < t->n_chain; i++)
+        if (Py_REFCNT(PyList_GET_ITEM(t->chain, i)) != t->baseline[i]) return 1;
+    return 0;
+}
+
+static int tenancy_traverse(Tenancy *self, visitproc visit, void *arg) {
+    Py_VISIT(self->arrays);
+    Py_VISIT(self->chain);
+    Py_VISIT(self->pin);
+    return 0;
+}
+
+static int tenancy_clear(Tenancy *self) {
+    Py_CLEAR(self->arrays);
+    Py_CLEAR(self->chain);
+    Py_CLEAR(self->pin);
+    return 0;
+}
+
+static void tenancy_dealloc(Tenancy *self) {
+    PyObject_GC_UnTrack(self);
+    tenancy_clear(self);
+    PyMem_Free(self->baseline);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *tenancy_get_escaped(Tenancy *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->chain ? tenancy_escaped(self) : 0);
+}
+
+static PyMemberDef tenancy_members[] = {
+    {"generation", T_ULONGLONG, offsetof(Tenancy, generation), READONLY, "The slot tenancy."},
+    {"arrays", T_OBJECT, offsetof(Tenancy, arrays), READONLY, "gate, up, down and their scales."},
+    {"pin", T_OBJECT, offsetof(Tenancy, pin), READONLY, "Referenced by every array's owner."},
+    {"active", T_PYSSIZET, offsetof(Tenancy, active), READONLY, "Leases using the arrays now."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef tenancy_getset[] = {
+    {"escaped", (getter)tenancy_get_escaped, NULL,
+     "True when anything besides the tenancy refers to its arrays.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TenancyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._lease.Tenancy",
+    .tp_doc = "The arrays of one slot tenancy, shared by its leases.",
+    .tp_basicsize = sizeof(Tenancy),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = tenancy_new,
+    .tp_dealloc = (destructor)tenancy_dealloc,
+    .tp_traverse = (traverseproc)tenancy_traverse,
+    .tp_clear = (inquiry)tenancy_clear,
+    .tp_members = tenancy_members,
+    .tp_getset = tenancy_getset,
+};
+
+/* ---- Tenancies -------------------------------------------------------- */
+
+static PyObject *tenancies_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"build", "defer", "limit", NULL};
+    PyObject *build, *defer;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOn:Tenancies", names, &build, &defer, &limit))
+        return NULL;
+    if (!PyCallable_Check(build) || !PyCallable_Check(defer) || limit < 1) {
+        PyErr_SetString(PyExc_ValueError, "Tenancies: build and defer must be callables, limit >= 1");
+        return NULL;
+    }
+    Tenancies *self = (Tenancies *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->by_generation = PyDict_New();
+    self->build = Py_NewRef(build);
+    self->defer = Py_NewRef(defer);
+    self->limit = limit;
+    if (!self->by_generation) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int tenancies_traverse(Tenancies *self, visitproc visit, void *arg) {
+    Py_VISIT(self->by_generation);
+    Py_VISIT(self->build);
+    Py_VISIT(self->defer);
+    return 0;
+}
+
+static int tenancies_clear(Tenancies *self) {
+    Py_CLEAR(self->by_generation);
+    Py_CLEAR(self->build);
+    Py_CLEAR(self->defer);
+    return 0;
+}
+
+static void tenancies_dealloc(Tenancies *self) {
+    PyObject_GC_UnTrack(self);
+    tenancies_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Drops the oldest unused tenancies, up to half of the cache. Nobody can
+ * reach an unused cached tenancy's arrays (its last lease saw none escape),
+ * so dropping one is always safe. The victims die after the dict is
+ * consistent again. */
+static int tenancies_prune(Tenancies *self) {
+    Py_ssize_t budget = PyDict_GET_SIZE(self->by_generation) / 2, pos = 0;
+    PyObject *key, *value, *victims = PyList_New(0);
+    if (!victims) return -1;
+    while (budget > 0 && PyDict_Next(self->by_generation, &pos, &key, &value)) {
+        if (((Tenancy *)value)->active == 0) {
+            if (PyList_Append(victims, key) < 0) goto fail;
+            budget--;
+        }
+    }
+    PyObject *doomed = PyList_New(0);   /* keeps the victims alive until the end */
+    if (!doomed) goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(victims); i++) {
+        PyObject *k = PyList_GET_ITEM(victims, i);
+        PyObject *t = PyDict_GetItemWithError(self->by_generation, k);
+        if ((t && PyList_Append(doomed, t) < 0) || (t && PyDict_DelItem(self->by_generation, k) < 0)) {
+            Py_DECREF(doomed);
+            goto fail;
+        }
+    }
+    Py_DECREF(victims);
+    Py_DECREF(doomed);
+    return 0;
+fail:
+    Py_DECREF(victims);
+    return -1;
+}
+
+/* The tenancy of lease's slot (built on first use, then cached), counted as
+ * used by one more lease. New reference, or NULL with an exception. */
+static Tenancy *tenancies_join(Tenancies *self, PyObject *lease, unsigned long long generation) {
+    PyObject *key = PyLong_FromUnsignedLongLong(generation);
+    if (!key) return NULL;
+    PyObject *found = PyDict_GetItemWithError(self->by_generation, key);
+    if (!found) {
+        if (PyErr_Occurred()) goto fail;
+        /* Python builds the arrays; another thread may cache the same
+         * generation meanwhile, and then that one is used. */
+        PyObject *built = PyObject_CallOneArg(self->build, lease);
+        if (!built) goto fail;
+        if (!Py_IS_TYPE(built, &TenancyType) || ((Tenancy *)built)->generation != generation) {
+            PyErr_SetString(PyExc_TypeError, "Tenancies: build() must return this generation's Tenancy");
+            Py_DECREF(built);
+            goto fail;
+        }
+        found = PyDict_SetDefault(self->by_generation, key, built);
+        Py_DECREF(built);   /* the dict holds it, or holds the one cached first */
+        if (!found) goto fail;
+    }
+    Tenancy *t = (Tenancy *)Py_NewRef(found);
+    Py_DECREF(key);
+    t->active++;
+    if (PyDict_GET_SIZE(self->by_generation) > self->limit && tenancies_prune(self) < 0) {
+        t->active--;
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+fail:
+    Py_DECREF(key);
+    return NULL;
+}
+
+/* lease, which used t's arrays, is being released. Returns 1 when its C
+ * lease may end now (another lease still pins the slot, or nothing
+ * escaped), 0 when the C lease was handed to the escaped arrays (defer), -1
+ * with an exception (the C lease then stays: leaked, never freed under a
+ * reader). */
+static int tenancies_leave(Tenancies *self, PyObject *lease, Tenancy *t) {
+    if (--t->active > 0 || !tenancy_escaped(t)) return 1;
+    PyObject *key = PyLong_FromUnsignedLongLong(t->generation);
+    if (!key) return -1;
+    PyObject *cached = PyDict_GetItemWithError(self->by_generation, key);
+    int rc = 0;
+    if (cached == (PyObject *)t) rc = PyDict_DelItem(self->by_generation, key);
+    else if (!cached && PyErr_Occurred()) rc = -1;
+    Py_DECREF(key);
+    if (rc < 0) return -1;
+    PyObject *r = PyObject_CallFunctionObjArgs(self->defer, (PyObject *)t, lease, NULL);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *tenancies_clear_cache(Tenancies *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *old = self->by_generation;
+    self->by_generation = PyDict_New();
+    if (!self->by_generation) {
+        self->by_generation = old;
+        return NULL;
+    }
+    Py_DECREF(old);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t tenancies_len(Tenancies *self) {
+    return PyDict_GET_SIZE(self->by_generation);
+}
+
+static PyMethodDef tenancies_methods[] = {
+    {"clear", (PyCFunction)tenancies_clear_cache, METH_NOARGS,
+     "Forget every cached tenancy (the store's memory is gone)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods tenancies_as_sequence = {
+    .sq_length = (lenfunc)tenancies_len,
+};
+
+static PyTypeObject TenanciesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "colibri._lease.Tenancies",
+    .tp_doc = "One store's cached tenancies: Tenancies(build, defer, limit).",
+    .tp_basicsize = sizeof(Tenancies),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = tenancies_new,
+    .tp_dealloc = (destructor)tenancies_dealloc,
+    .tp_traverse = (traverseproc)tenancies_traverse,
+    .tp_clear = (inquiry)tenancies_clear,
+    .tp_methods = tenancies_methods,
+    .tp_as_sequence = &tenancies_as_sequence,
+};
 
 /* ---- Leaser ---------------------------------------------------------- */
 
@@ -102,6 +395,10 @@ static PyObject *leaser_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
         PyErr_SetString(PyExc_TypeError, "Leaser: lease_type must be LeaseBase or a subclass");
         return NULL;
     }
+    if (!Py_IS_TYPE(tenancies, &TenanciesType)) {
+        PyErr_SetString(PyExc_TypeError, "Leaser: tenancies must be a Tenancies");
+        return NULL;
+    }
     ColiExpertStore *h = address_of(handle, "handle");
     const ColiLeaseEntryPoints *ep = h ? address_of(api, "entry_points") : NULL;
     if (!ep) return NULL;
@@ -110,7 +407,7 @@ static PyObject *leaser_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     self->handle = h;
     self->api = ep;
     self->handle_owner = Py_NewRef(owner);
-    self->tenancies = Py_NewRef(tenancies);
+    self->tenancies = (Tenancies *)Py_NewRef(tenancies);
     self->lease_type = (PyTypeObject *)Py_NewRef(lease_type);
     self->error_for = Py_NewRef(error_for);
     self->lease_error = Py_NewRef(lease_error);
@@ -289,12 +586,10 @@ static PyTypeObject LeaserType = {
 static int lease_traverse(Lease *self, visitproc visit, void *arg) {
     Py_VISIT(self->leaser);
     Py_VISIT(self->tenancy);
-    Py_VISIT(self->arrays);
     return 0;
 }
 
 static int lease_clear(Lease *self) {
-    Py_CLEAR(self->arrays);
     Py_CLEAR(self->tenancy);
     Py_CLEAR(self->leaser);
     return 0;
@@ -348,17 +643,14 @@ static PyObject *lease_release(Lease *self, PyObject *Py_UNUSED(ignored)) {
         return NULL;
     }
     self->released = 1;
-    PyObject *tenancy = self->tenancy;
+    Tenancy *tenancy = self->tenancy;
     self->tenancy = NULL;
-    Py_CLEAR(self->arrays);
-    if (!tenancy) {
-        end_c_lease(self);
-        Py_RETURN_NONE;
-    }
-    /* Its arrays were used: Tenancies.leave sees whether they escaped. */
-    PyObject *r = PyObject_CallMethod(self->leaser->tenancies, "leave", "OO", (PyObject *)self, tenancy);
-    Py_DECREF(tenancy);
-    return r;
+    /* Its arrays were used: the C lease ends now unless they escaped. */
+    int now = tenancy ? tenancies_leave(self->leaser->tenancies, (PyObject *)self, tenancy) : 1;
+    Py_XDECREF(tenancy);
+    if (now < 0) return NULL;
+    if (now) end_c_lease(self);
+    Py_RETURN_NONE;
 }
 
 static PyObject *lease_enter(Lease *self, PyObject *Py_UNUSED(ignored)) {
@@ -417,19 +709,11 @@ static PyObject *lease_part(Lease *self, void *closure) {
         return NULL;
     }
     if (!self->tenancy) {
-        self->tenancy = PyObject_CallMethod(self->leaser->tenancies, "join", "O", (PyObject *)self);
+        self->tenancy = tenancies_join(self->leaser->tenancies, (PyObject *)self,
+                                       self->view.lease_generation);
         if (!self->tenancy) return NULL;
     }
-    if (!self->arrays) {
-        PyObject *arrays = PyObject_GetAttrString(self->tenancy, "arrays");
-        if (arrays && (!PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) != 6)) {
-            PyErr_SetString(PyExc_TypeError, "Tenancy.arrays must be a tuple of 6");
-            Py_CLEAR(arrays);
-        }
-        if (!arrays) return NULL;
-        self->arrays = arrays;
-    }
-    return Py_NewRef(PyTuple_GET_ITEM(self->arrays, i));
+    return Py_NewRef(PyTuple_GET_ITEM(self->tenancy->arrays, i));
 }
 
 static PyObject *lease_get_released(Lease *self, void *Py_UNUSED(closure)) {
@@ -442,7 +726,7 @@ static PyObject *lease_get_generation(Lease *self, void *Py_UNUSED(closure)) {
 
 static PyObject *lease_get_tenancies(Lease *self, void *Py_UNUSED(closure)) {
     if (!self->leaser) Py_RETURN_NONE;
-    return Py_NewRef(self->leaser->tenancies);
+    return Py_NewRef((PyObject *)self->leaser->tenancies);
 }
 
 
@@ -494,11 +778,15 @@ static struct PyModuleDef lease_module = {
 };
 
 PyMODINIT_FUNC PyInit__lease(void) {
-    if (PyType_Ready(&LeaseBaseType) < 0 || PyType_Ready(&LeaserType) < 0) return NULL;
+    if (PyType_Ready(&LeaseBaseType) < 0 || PyType_Ready(&LeaserType) < 0 ||
+        PyType_Ready(&TenancyType) < 0 || PyType_Ready(&TenanciesType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&lease_module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "LeaseBase", (PyObject *)&LeaseBaseType) < 0 ||
-        PyModule_AddObjectRef(m, "Leaser", (PyObject *)&LeaserType) < 0) {
+        PyModule_AddObjectRef(m, "Leaser", (PyObject *)&LeaserType) < 0 ||
+        PyModule_AddObjectRef(m, "Tenancy", (PyObject *)&TenancyType) < 0 ||
+        PyModule_AddObjectRef(m, "Tenancies", (PyObject *)&TenanciesType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,11 +1,12 @@
 """The lease as a C type (csrc/py_lease.c, module colibri._lease).
 
 store.lease() takes a hit holding the GIL and drops it only for a miss;
-__enter__, __exit__ and release() are C. These tests pin what that C code
-owns: key parsing, that only the store makes leases, the lease life cycle,
-reference counts on every path (a leak or an extra decref in C shows up as a
-count that drifts), and that a lookup that has to wait lets other Python
-threads run.
+__enter__, __exit__, release(), the array getters and the tenancy cache are
+C. These tests pin what that C code owns: key parsing, that only the store
+makes leases, the lease life cycle, the tenancy cache's bound and its
+checks, reference counts on every path (a leak or an extra decref in C
+shows up as a count that drifts), and that a lookup that has to wait lets
+other Python threads run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri._lease import LeaseBase, Leaser
+from colibri._ffi import ffi, lib
+from colibri._lease import LeaseBase, Leaser, Tenancies, Tenancy
+from colibri._tenancy import defer
 from colibri.errors import error_for
 from conftest import LIVENESS_S, assert_expert_matches, expected_experts, wait_until
 
@@ -83,6 +86,8 @@ def test_leaser_checks_what_it_is_given(small_model):
                     lease_type=colibri.ExpertLease, error_for=error_for, lease_error=colibri.LeaseError)
         with pytest.raises(TypeError):
             Leaser(**{**args, "lease_type": dict})
+        with pytest.raises(TypeError):
+            Leaser(**{**args, "tenancies": {}})
         with pytest.raises(ValueError):
             Leaser(**{**args, "handle": 0})
         with pytest.raises(ValueError):
@@ -213,3 +218,50 @@ def test_a_lookup_that_waits_lets_other_threads_run(small_model):
         held.release()                            # Python in this thread, while the other waits
         t.join(LIVENESS_S)
         assert not t.is_alive() and got == {"expert": 1}
+
+
+def _leaser(store, tenancies):
+    """A second Leaser on store's C store, with tenancies of the test's making."""
+    return Leaser(store._handle, int(ffi.cast("uintptr_t", store._handle)),
+                  int(ffi.cast("uintptr_t", lib.coli_lease_entry_points())), tenancies,
+                  colibri.ExpertLease, error_for, colibri.LeaseError)
+
+
+def test_tenancy_and_tenancies_check_what_they_are_given():
+    with pytest.raises(ValueError):
+        Tenancy(1, (None,) * 5, [], object())            # six arrays or None, always
+    with pytest.raises(TypeError):
+        Tenancy(1, (None,) * 6, (), object())            # the chain is a list
+    with pytest.raises(ValueError):
+        Tenancies(len, defer, 0)
+    with pytest.raises(ValueError):
+        Tenancies(None, defer, 4)
+
+
+def test_a_builder_that_fails_leaves_the_lease_releasable(small_model):
+    layer = small_model.layers[0]
+    with colibri.open_store(small_model.path) as store:
+        for build in (lambda lease: 1 / 0, lambda lease: "not a Tenancy",
+                      lambda lease: Tenancy(lease._generation + 1, (None,) * 6, [], object())):
+            lr = _leaser(store, Tenancies(build, defer, 4))
+            ex = lr.lease(layer, 1)
+            with pytest.raises((ZeroDivisionError, TypeError)):
+                ex.gate
+            ex.release()
+            assert store.active_leases == 0
+
+
+def test_the_tenancy_cache_stays_bounded_and_right(small_model):
+    """Every miss makes a new slot tenancy; unused ones beyond the limit are
+    dropped, oldest first, and the arrays of every lease are its expert's."""
+    want = expected_experts(small_model)
+    layer = small_model.layers[1]
+    with colibri.open_store(small_model.path, slots_per_layer=2) as store:
+        limit = 2 * 2 * len(small_model.layers) + 16
+        for i in range(6 * limit):
+            e = (i * 3) % small_model.n_experts
+            with store.lease(layer, e) as ex:
+                assert_expert_matches(ex, want[(layer, e)])
+            assert len(store._tenancies) <= limit
+        assert store.stats().misses > 2 * limit        # the cache did fill and prune
+        assert store.active_leases == 0
