@@ -2,7 +2,7 @@
 """C hit path: lookup + release of a resident expert, ns per pair, 1 and 2 threads.
 
 Builds ``benchmarks/c_hit_path.c`` with ``gcc -O2 -DNDEBUG`` against
-``csrc/*.c`` (as the extension is built: -O2, assertions off) into a temporary
+the core's ``csrc/*.c`` (as the extension is built: -O2, assertions off) into a temporary
 directory and runs it. The driver writes its own small model file (2 layers x
 8 experts of three 16x24 F16 tensors) next to the binary, opens a store with a
 slot per expert, warms it and times lookup+release pairs (median of
@@ -31,13 +31,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
+sys.path.insert(0, str(C.ROOT))
+from build_ffi import SOURCES  # noqa: E402  (the core's sources, as the cffi extension has them)
+
 CSRC = C.ROOT / "csrc"
 DRIVER = C.HERE / "c_hit_path.c"
 
 
 def build(outdir: Path) -> Path:
     exe = outdir / "c_hit_path"
-    sources = sorted(str(p) for p in CSRC.glob("*.c")) + [str(DRIVER)]
+    sources = [str(CSRC / name) for name in SOURCES] + [str(DRIVER)]
     cmd = ["gcc", "-O2", "-DNDEBUG", "-std=c11", "-Wall", "-Wextra", "-pthread",
            f"-I{CSRC}", *sources, "-o", str(exe)]
     subprocess.run(cmd, check=True)

@@ -667,7 +667,14 @@ static PyObject *lease_exit(Lease *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* For defer(): the C lease of a released lease whose arrays escaped ends
+ * when the last of them dies. Never ends one the lease still holds. */
 static PyObject *lease_end_c_lease(Lease *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->released) {
+        PyErr_Format(PyExc_RuntimeError, "layer %d expert %d: the lease is still held", self->layer,
+                     self->expert);
+        return NULL;
+    }
     end_c_lease(self);
     Py_RETURN_NONE;
 }
@@ -691,7 +698,7 @@ static PyMethodDef lease_methods[] = {
     {"__enter__", (PyCFunction)lease_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))lease_exit, METH_FASTCALL, NULL},
     {"_end_c_lease", (PyCFunction)lease_end_c_lease, METH_NOARGS,
-     "End the C lease now (the store calls it; ending twice is harmless)."},
+     "End a released lease's C lease now (defer's callback; ending twice is harmless)."},
     {"_layout", (PyCFunction)lease_layout, METH_NOARGS,
      "coli_view_layout of the lease's view: (base, span, 6 offsets)."},
     {NULL, NULL, 0, NULL},

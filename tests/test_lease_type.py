@@ -106,6 +106,11 @@ def test_life_cycle(small_model):
             ex.release()
         with pytest.raises(colibri.LeaseError, match="used after"):
             ex.gate
+        held = store.lease(1, 3)
+        with pytest.raises(RuntimeError, match="still held"):
+            held._end_c_lease()                   # only a released lease's C lease may end
+        assert store.active_leases == 1
+        held.release()
         assert repr(ex) == "store.lease(1, 2)"
 
 
