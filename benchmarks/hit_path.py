@@ -9,7 +9,9 @@ slot for every expert and warmed, and then one call at a time is timed:
     store.lease+touch     the same, reading ``.gate``, ``.up``, ``.down``
     lease_many top-8      ``with store.lease_many(l, top8): pass`` (per call of 8)
     raw cffi pair         coli_lru_lookup + coli_expert_release through cffi, no
-                          Python wrapper (diagnostic: the C + cffi share)
+                          Python wrapper: the same C work by the route store.lease
+                          took before the lease type (cffi drops and retakes the
+                          GIL around each call)
 
 against the alternatives a Python engine has, measured in the same run:
 

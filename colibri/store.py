@@ -43,8 +43,6 @@ _INT_MAX = 2**31 - 1
 _ROLES = ("gate", "up", "down")
 
 
-
-
 def _check(rc: int, err: Any) -> None:
     if rc != 0:
         raise error_for(rc, ffi.string(err).decode("utf-8", "replace"))
