@@ -275,3 +275,33 @@ def test_prefetch_op_without_workers_accepts_nothing(store):
     assert store._handle.ops.prefetch(store._handle, ffi.NULL, 0) == 0
     assert store.stats().prefetched == 0
     assert store.stats().resident_bytes == 0
+
+
+def test_lookup_resident_takes_hits_only_and_changes_nothing_else(store, small_model):
+    """coli_lru_lookup_resident: the hit of coli_lru_lookup, counted alike;
+    anything else is COLI_EAGAIN with a zeroed view and nothing counted."""
+    want = expected_experts(small_model)
+    view = new_view()
+    before = store.stats()
+    for layer, expert in [(1, 2), (0, 0), (1, 99), (-1, 0), (99, 0)]:   # missing, unknown
+        assert lib.coli_lru_lookup_resident(store._handle, layer, expert, view) == lib.COLI_EAGAIN
+        assert is_zeroed(view)
+    assert lib.coli_lru_lookup_resident(ffi.NULL, 1, 2, view) == lib.COLI_EAGAIN
+    assert store.stats() == before and active(store) == 0
+
+    assert lib.coli_lru_lookup(store._handle, 1, 2, view, ffi.NULL, 0) == 0   # a miss loads it
+    lib.coli_expert_release(store._handle, view)
+    loaded = store.stats()
+    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, view) == 0       # now a hit
+    assert_view_matches(view, want[(1, 2)], 1, 2, small_model)
+    after = store.stats()
+    assert (after.requests, after.hits, after.misses) == (loaded.requests + 1, loaded.hits + 1, loaded.misses)
+    assert after.bytes_read == loaded.bytes_read
+    held = new_view()
+    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, held) == 0       # a second lease of it
+    lib.coli_expert_release(store._handle, held)
+    lib.coli_expert_release(store._handle, view)
+
+    store.close()
+    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, view) == lib.COLI_EAGAIN   # closed
+    assert is_zeroed(view)
