@@ -16,6 +16,7 @@ import pytest
 import colibri
 from colibri.pilot import LayerAccuracy, Pilot, PilotReport
 from colibri.synthetic import write_synthetic_model
+from conftest import LIVENESS_S
 
 
 class FakeStore:
@@ -219,7 +220,7 @@ def test_disabled_does_nothing(synth):
         for layer in store.layers:
             assert pilot.predict_next(layer, rng.standard_normal(synth.hidden, dtype=np.float32)) == ()
             assert pilot.observe(layer, [0, 1]) is None
-        store.wait_idle(timeout=10)
+        store.wait_idle(timeout=LIVENESS_S)
         after = store.stats()
         assert after.prefetched == before.prefetched == 0
         assert after.loads_started == before.loads_started
@@ -256,7 +257,7 @@ def test_prefetch_really_happens(synth):
         first = store.layers[0]
         predicted = pilot.predict_next(first, h)
         assert len(predicted) == 2
-        store.wait_idle(timeout=10)
+        store.wait_idle(timeout=LIVENESS_S)
         stats = store.stats()
         assert stats.prefetched == 2
         assert pilot.report().prefetch_accepted == 2
@@ -297,7 +298,7 @@ def test_next_layer_router_is_100_percent_precise(synth, batch):
                 experts = sorted({e for row in h for e in route(routers[layer], row, k)})
                 with pilot.lease_many(layer, experts) as group:
                     assert len(group) == len(experts)
-        store.wait_idle(timeout=10)
+        store.wait_idle(timeout=LIVENESS_S)
         stats = store.stats()
         assert stats.prefetched > 0
         assert stats.requests == stats.hits + stats.misses

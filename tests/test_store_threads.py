@@ -5,6 +5,11 @@ blake2b digest of every tensor against the file's, and releases; with
 prefetch workers it also asks for random keys (invalid ones among them). A
 monitor thread checks the counters' invariants while all this runs. Threads
 are joined with a timeout, so a deadlock fails the test instead of hanging.
+
+Lookups that must succeed wait for a free slot up to LIVENESS_S (a liveness
+bound, as in conftest.wait_until), not the 5 s default: on a slow or loaded
+machine a thread may legally stay without a slot for seconds while others
+hold the layer's slots, and that must not fail the test.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import threading
 import pytest
 
 import colibri
-from conftest import ROLES, expert_digests, lease_digests
+from conftest import LIVENESS_S, ROLES, expert_digests, lease_digests, wait_until
 
 JOIN_TIMEOUT = 120.0
 
@@ -60,7 +65,7 @@ def test_concurrent_leases_verify_every_read(model_factory, prefetch_workers, n_
     accepted_lock = threading.Lock()
 
     with colibri.open_store(model.path, slots_per_layer=3, prefetch_workers=prefetch_workers,
-                            prefetch_chunk_bytes=64 << 10) as store:
+                            prefetch_chunk_bytes=64 << 10, slot_wait_timeout=LIVENESS_S) as store:
 
         def worker(seed):
             rng = random.Random(seed)
@@ -156,7 +161,7 @@ def test_threads_contending_for_one_slot(model_factory):
     model = model_factory(n_layers=2, n_experts=4, hidden=16, intermediate=8)
     digests = expert_digests(model)
 
-    with colibri.open_store(model.path, slots_per_layer=1, slot_wait_timeout=30.0) as store:
+    with colibri.open_store(model.path, slots_per_layer=1, slot_wait_timeout=LIVENESS_S) as store:
 
         def worker(seed):
             rng = random.Random(seed)
@@ -214,13 +219,16 @@ def test_concurrent_lease_many_do_not_deadlock(model_factory):
     holding part of the group lets each thread grab one slot and wait for
     the other's: a cycle that only the slot wait timeout breaks, with a
     CacheFullError (and with slot_wait_timeout=None, never). All-or-nothing
-    must not hold and wait.
+    must not hold and wait. The timeout is LIVENESS_S, not a second: a correct
+    store makes both calls wait for the test thread's releases, which a slow
+    machine may delay by more than that.
     """
     model = model_factory(n_layers=2, n_experts=6, hidden=16, intermediate=8)
     digests = expert_digests(model)
     layer = model.layers[-1]
 
-    with colibri.open_store(model.path, slots_per_layer=2, slot_wait_timeout=1.0, prefetch_workers=0) as store:
+    with colibri.open_store(model.path, slots_per_layer=2, slot_wait_timeout=LIVENESS_S,
+                            prefetch_workers=0) as store:
         for _ in range(12):
             blockers = [store.lease(layer, 0), store.lease(layer, 1)]
             start = threading.Barrier(3)
@@ -240,9 +248,13 @@ def test_concurrent_lease_many_do_not_deadlock(model_factory):
             for t in ts:
                 t.start()
             start.wait(JOIN_TIMEOUT)
-            _poll(lambda: store.stats().slot_waits >= before + 2)  # both blocked
+            # Both slots are held, so both calls must block before the first release.
+            # (An error in a thread ends the wait too; it is raised after the joins.)
+            wait_until(lambda: bool(errors) or store.stats().slot_waits >= before + 2, "both lease_many calls wait")
             blockers[0].release()
-            _poll(lambda: store.active_leases >= 2)  # a group took the freed slot
+            # Best effort, never true here: gives a hold-and-wait implementation
+            # the time to take the one freed slot before the second release.
+            _poll(lambda: store.active_leases >= 2)
             blockers[1].release()
             for t in ts:
                 t.join(JOIN_TIMEOUT)
@@ -265,7 +277,8 @@ def test_concurrent_read_faults_leave_no_poisoned_slot(model_factory, prefetch_w
     failures = [0]
     lock = threading.Lock()
 
-    with colibri.open_store(model.path, slots_per_layer=2, prefetch_workers=prefetch_workers) as store:
+    with colibri.open_store(model.path, slots_per_layer=2, prefetch_workers=prefetch_workers,
+                            slot_wait_timeout=LIVENESS_S) as store:
 
         def worker(seed):
             rng = random.Random(seed)
