@@ -97,5 +97,17 @@ def lease_extension() -> "Extension":
     )
 
 
+def build_in_place() -> None:
+    """Both extensions into ./colibri, for a tree that is not pip-installed
+    (.ci/sanitizers). Reads no pyproject.toml, so any setuptools will do."""
+    from setuptools import Distribution
+
+    ffibuilder.compile(tmpdir=".", verbose=False)
+    dist = Distribution({"name": "colibri", "ext_modules": [lease_extension()]})
+    build = dist.get_command_obj("build_ext")
+    build.inplace = True
+    dist.run_command("build_ext")
+
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
