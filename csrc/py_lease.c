@@ -43,7 +43,9 @@ typedef struct {
 } Tenancy;
 
 /* One store's cached tenancies and the lease counts on them. Join and leave
- * run in C holding the GIL, so they need no lock of their own. */
+ * run in C holding the GIL, so they need no lock of their own. (A
+ * free-threaded CPython turns the GIL back on for this module: it does not
+ * declare Py_mod_gil.) */
 typedef struct {
     PyObject_HEAD
     PyObject *by_generation;    /* dict: generation -> Tenancy, oldest first */
