@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-
 from typing import TYPE_CHECKING
 
 from cffi import FFI
@@ -99,7 +98,8 @@ def lease_extension() -> "Extension":
 
 def build_in_place() -> None:
     """Both extensions into ./colibri, for a tree that is not pip-installed
-    (.ci/sanitizers). Reads no pyproject.toml, so any setuptools will do."""
+    (.ci/sanitizers). cffi's compile reads ./pyproject.toml, which takes
+    setuptools 77 or later (the test extra asks for it)."""
     from setuptools import Distribution
 
     ffibuilder.compile(tmpdir=".", verbose=False)

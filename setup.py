@@ -1,4 +1,5 @@
-# cffi's setuptools hook still needs setup(); everything else is in pyproject.toml.
+# setup() for what pyproject.toml cannot say: the cffi module (cffi's setuptools hook)
+# and the lease type's extension, both built by build_ffi.py with the same flags.
 import os
 import sys
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import colibri
 from conftest import LIVENESS_S, assert_expert_matches, expected_experts, wait_until
 
+
 def held_prefetch(store, key: tuple[int, int]) -> None:
     """Prefetch key and wait until a worker has begun it and is held."""
     store._hold_prefetch_reads(True)
