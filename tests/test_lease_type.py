@@ -16,6 +16,7 @@ import gc
 import pickle
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -270,3 +271,22 @@ def test_the_tenancy_cache_stays_bounded_and_right(small_model):
             assert len(store._tenancies) <= limit
         assert store.stats().misses > 2 * limit        # the cache did fill and prune
         assert store.active_leases == 0
+
+
+def test_arrays_used_only_inside_the_block_end_the_lease_at_once(small_model):
+    """The escape check's baseline is exact: arrays used and dropped inside the
+    block (first build of a tenancy, then its cached arrays, singly and in a
+    group) raise no warning and leave no lease behind."""
+    layer = small_model.layers[0]
+    with colibri.open_store(small_model.path, slots_per_layer=2) as store:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                with store.lease(layer, 1) as ex:
+                    assert float(np.asarray(ex.gate, dtype=np.float32).sum()) == float(
+                        np.asarray(ex.gate, dtype=np.float32).sum())
+                    ex.up.T @ ex.up, ex.down[0]        # views made and dropped inside
+                assert store.active_leases == 0
+                with store.lease_many(layer, [1, 2, 1]) as group:
+                    [lease.gate for lease in group]
+                assert store.active_leases == 0
