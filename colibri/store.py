@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import threading
 from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
@@ -46,13 +45,6 @@ _ROLES = ("gate", "up", "down")
 def _check(rc: int, err: Any) -> None:
     if rc != 0:
         raise error_for(rc, ffi.string(err).decode("utf-8", "replace"))
-
-
-class _ThreadBuffers(threading.local):
-    """Per-thread C buffers, so the hit path allocates none of them."""
-
-    def __init__(self) -> None:
-        self.err = ffi.new("char[]", _ERR_LEN)
 
 
 class ExpertLease(LeaseBase):
@@ -119,7 +111,6 @@ class Store:
     ) -> None:
         self.model = model
         self._closed = False
-        self._buffers = _ThreadBuffers()
         self._handle = _create_handle(
             model,
             slots_per_layer=slots_per_layer,
@@ -288,7 +279,7 @@ class Store:
         or another thread is inside a lookup; a second close does nothing."""
         if self._closed:
             return
-        err = self._buffers.err
+        err = ffi.new("char[]", _ERR_LEN)
         _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
         self._tenancies.clear()  # their addresses point into freed slot memory now

@@ -162,22 +162,11 @@ static void tenancy_dealloc(Tenancy *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *tenancy_get_escaped(Tenancy *self, void *Py_UNUSED(closure)) {
-    return PyBool_FromLong(self->chain ? tenancy_escaped(self) : 0);
-}
-
 static PyMemberDef tenancy_members[] = {
     {"generation", T_ULONGLONG, offsetof(Tenancy, generation), READONLY, "The slot tenancy."},
     {"arrays", T_OBJECT, offsetof(Tenancy, arrays), READONLY, "gate, up, down and their scales."},
     {"pin", T_OBJECT, offsetof(Tenancy, pin), READONLY, "Referenced by every array's owner."},
-    {"active", T_PYSSIZET, offsetof(Tenancy, active), READONLY, "Leases using the arrays now."},
     {NULL, 0, 0, 0, NULL},
-};
-
-static PyGetSetDef tenancy_getset[] = {
-    {"escaped", (getter)tenancy_get_escaped, NULL,
-     "True when anything besides the tenancy refers to its arrays.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyTypeObject TenancyType = {
@@ -191,7 +180,6 @@ static PyTypeObject TenancyType = {
     .tp_traverse = (traverseproc)tenancy_traverse,
     .tp_clear = (inquiry)tenancy_clear,
     .tp_members = tenancy_members,
-    .tp_getset = tenancy_getset,
 };
 
 /* ---- Tenancies -------------------------------------------------------- */
