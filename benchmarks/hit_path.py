@@ -218,7 +218,6 @@ def bench_size(name: str, hidden: int, intermediate: int, tmp: Path, budget_s: f
         prof_text = buf.getvalue()
 
     kept.__exit__(None, None, None) if hasattr(kept, "__exit__") else None
-    del mm
     assert store.active_leases == 0
     store.close()
     return {"expert_bytes": expert_bytes, "hidden": hidden, "intermediate": intermediate,
