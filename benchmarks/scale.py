@@ -82,14 +82,15 @@ def bench(layers: int, experts: int, tmp: Path, calls: int, overhead: float) -> 
 
         handle = store._handle
         view = ffi.new("ColiExpertView *")
-        err = ffi.new("char[]", 256)
+        err_len = lib.COLI_ERR_LEN
+        err = ffi.new("char[]", err_len)
         it2 = iter(seq * (calls // len(seq) + 2))
         nxt2 = it2.__next__
         lookup, release = lib.coli_lru_lookup, lib.coli_expert_release
 
         def f_raw():
             k = nxt2()
-            lookup(handle, k[0], k[1], view, err, 256)
+            lookup(handle, k[0], k[1], view, err, err_len)
             release(handle, view)
 
         od: OrderedDict = OrderedDict((k, (None, None, None)) for k in store.model.keys())

@@ -14,6 +14,8 @@ from typing import Iterable
 import ml_dtypes
 import numpy as np
 
+from colibri._ffi import lib
+
 __all__ = [
     "DType",
     "DTYPES",
@@ -28,21 +30,19 @@ __all__ = [
     "COLI_SCALE_NONE",
     "COLI_SCALE_F32",
     "lookup",
-    "tensor_nbytes",
     "coli_format",
 ]
 
-# ColiTensorFormat values (csrc/tensor.h); the numbers are ABI and never change.
-COLI_TENSOR_F32 = 0
-COLI_TENSOR_FP8_E4M3_BLOCK = 4
-COLI_TENSOR_F16 = 8
-COLI_TENSOR_BF16 = 9
-COLI_TENSOR_F8_E4M3 = 10
-COLI_TENSOR_F8_E5M2 = 11
-
-# ColiScaleFormat values (csrc/tensor.h).
-COLI_SCALE_NONE = 0
-COLI_SCALE_F32 = 1
+# ColiTensorFormat and ColiScaleFormat values (csrc/tensor.h), read from the
+# compiled library so that they cannot drift from it.
+COLI_TENSOR_F32: int = lib.COLI_TENSOR_F32
+COLI_TENSOR_FP8_E4M3_BLOCK: int = lib.COLI_TENSOR_FP8_E4M3_BLOCK
+COLI_TENSOR_F16: int = lib.COLI_TENSOR_F16
+COLI_TENSOR_BF16: int = lib.COLI_TENSOR_BF16
+COLI_TENSOR_F8_E4M3: int = lib.COLI_TENSOR_F8_E4M3
+COLI_TENSOR_F8_E5M2: int = lib.COLI_TENSOR_F8_E5M2
+COLI_SCALE_NONE: int = lib.COLI_SCALE_NONE
+COLI_SCALE_F32: int = lib.COLI_SCALE_F32
 
 
 @dataclass(frozen=True)
@@ -109,18 +109,6 @@ SCALE_DTYPE = "F32"
 def lookup(name: str) -> DType | None:
     """The entry for a safetensors dtype string, or None if it is unknown."""
     return DTYPES.get(name)
-
-
-def tensor_nbytes(dtype: DType, shape: tuple[int, ...]) -> int | None:
-    """Bytes a dense tensor of ``shape`` occupies, or None when a packed
-    sub-byte tensor would not end on a byte boundary (safetensors rejects it)."""
-    elements = 1
-    for dim in shape:
-        elements *= dim
-    bits = elements * dtype.bits
-    if bits % 8:
-        return None
-    return bits // 8
 
 
 def coli_format(name: str, scaled: bool) -> int:

@@ -8,6 +8,8 @@ catch either: an unknown expert is also a ``KeyError``, a failed read also an
 
 from __future__ import annotations
 
+from colibri._ffi import lib
+
 __all__ = [
     "ColibriError",
     "UnknownExpertError",
@@ -60,16 +62,19 @@ class CacheMemoryError(ColibriError, MemoryError):
     """The cache's slot memory (or the store's bookkeeping) could not be allocated."""
 
 
-# C error codes of csrc/lru_store.h mapped to the classes above.
+# The C error codes (COLI_E* of csrc/lru_store.h, read from the compiled
+# library) mapped to the classes above. The codes left out (COLI_EINVAL,
+# COLI_ETHREAD, COLI_EAGAIN) become a plain ColibriError; docs/contract.md
+# says what each code means.
 _BY_CODE: dict[int, type[ColibriError]] = {
-    -2: UnknownExpertError,
-    -3: CacheFullError,
-    -4: ExpertLoadError,
-    -5: CacheMemoryError,
-    -6: FormatError,
-    -7: LeaseError,
-    -9: WaitTimeoutError,
-    -10: StoreClosedError,
+    lib.COLI_ENOTFOUND: UnknownExpertError,
+    lib.COLI_EFULL: CacheFullError,
+    lib.COLI_EIO: ExpertLoadError,
+    lib.COLI_ENOMEM: CacheMemoryError,
+    lib.COLI_ECONFIG: FormatError,
+    lib.COLI_ELEASE: LeaseError,
+    lib.COLI_ETIMEOUT: WaitTimeoutError,
+    lib.COLI_ECLOSED: StoreClosedError,
 }
 
 

@@ -24,9 +24,9 @@ import ml_dtypes
 import numpy as np
 
 from colibri.errors import FormatError
-from colibri.layouts import ROLES
+from colibri.layouts import ROLES, _block_edge
 
-__all__ = ["dequantize", "dequantize_lease", "infer_block", "DEFAULT_BLOCK"]
+__all__ = ["dequantize", "dequantize_lease", "DEFAULT_BLOCK"]
 
 DEFAULT_BLOCK: tuple[int, int] = (128, 128)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -35,29 +35,16 @@ _FLOAT8 = frozenset(
 )
 
 
-def _edge(size: int, count: int) -> int | None:
-    # The rule layouts.scale_block applies to checkpoints: 128 when it fits,
-    # else the smallest block that cuts size into count pieces.
-    if size <= 0 or count <= 0 or count > size:
-        return None
-    if -(-size // 128) == count:
-        return 128
-    edge = -(-size // count)
-    return edge if -(-size // edge) == count else None
-
-
-def infer_block(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
-    """The block ``(rows, columns)`` one scale covers, from the two shapes.
-
-    128x128 whenever that tiles the weight into ``scale_shape`` blocks (every
-    checkpoint we know), otherwise the smallest block that does. Raises
-    FormatError when no block does.
-    """
+def _infer_block(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The block ``(rows, columns)`` one scale covers, by the rule the layout
+    scanner applies to checkpoints: 128x128 whenever that tiles the weight
+    into ``scale_shape`` blocks, otherwise the smallest block that does.
+    Raises FormatError when no block does."""
     if len(weight_shape) != 2 or len(scale_shape) != 2:
         raise FormatError(
             f"fp8 weight {list(weight_shape)} and scales {list(scale_shape)} must both be 2-D")
-    rows = _edge(weight_shape[0], scale_shape[0])
-    cols = _edge(weight_shape[1], scale_shape[1])
+    rows = _block_edge(weight_shape[0], scale_shape[0])
+    cols = _block_edge(weight_shape[1], scale_shape[1])
     if rows is None or cols is None:
         raise FormatError(
             f"scales of shape {list(scale_shape)} do not tile a weight of shape "
@@ -82,7 +69,7 @@ def dequantize(weight_fp8: np.ndarray, scale_inv: np.ndarray,
     ``weight_fp8`` is ``(rows, columns)`` fp8 (``uint8`` is read as e4m3fn
     bytes); ``scale_inv`` is ``(ceil(rows / block[0]), ceil(columns /
     block[1]))``, the last blocks partial. ``block=None`` infers it from the
-    shapes (see :func:`infer_block`). Returns a new C-contiguous float32 array.
+    shapes (128x128 when that tiles the weight, else the smallest block that does). Returns a new C-contiguous float32 array.
     """
     weight = _as_fp8(np.asarray(weight_fp8))
     scales = np.asarray(scale_inv)
@@ -92,7 +79,7 @@ def dequantize(weight_fp8: np.ndarray, scale_inv: np.ndarray,
             f"and {list(scales.shape)}")
     rows, cols = weight.shape
     if block is None:
-        br, bc = infer_block(weight.shape, scales.shape)
+        br, bc = _infer_block(weight.shape, scales.shape)
     else:
         br, bc = (int(b) for b in block)
         if br <= 0 or bc <= 0:

@@ -42,6 +42,8 @@ __all__ = [
     "scan_model",
 ]
 
+# The roles in the order of ColiExpertSource's tensors and of coli_view_layout's
+# offsets (tests/test_constants.py checks both against the library).
 ROLES: tuple[str, str, str] = ("gate", "up", "down")
 _NUMBER = re.compile(r"[0-9]+")
 

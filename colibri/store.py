@@ -28,7 +28,7 @@ from colibri.errors import (
     UnknownExpertError,
     error_for,
 )
-from colibri.layouts import Layout, ModelExperts, scan_model
+from colibri.layouts import ROLES, Layout, ModelExperts, scan_model
 from colibri.safetensors_reader import ModelSource
 from colibri.stats import StoreStats
 
@@ -37,9 +37,8 @@ __all__ = ["open_store", "Store", "ExpertLease", "LeaseGroup", "DEFAULT_SLOTS_PE
 log = logging.getLogger("colibri")
 
 DEFAULT_SLOTS_PER_LAYER = 8
-_ERR_LEN = 512
-_INT_MAX = 2**31 - 1
-_ROLES = ("gate", "up", "down")
+_ERR_LEN: int = lib.COLI_ERR_LEN
+_INT_MAX = 2 ** (8 * ffi.sizeof("int") - 1) - 1  # keys are C ints
 
 
 def _check(rc: int, err: Any) -> None:
@@ -307,7 +306,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
     scales; None where a role is unscaled). All experts of a layer agree."""
     ex = model.expert(layer, next(iter(model.experts[layer])))
     parts: list[tuple[np.dtype, tuple[int, int]] | None] = []
-    for info in [ex.weight(r) for r in _ROLES] + [ex.scale(r) for r in _ROLES]:
+    for info in [ex.weight(r) for r in ROLES] + [ex.scale(r) for r in ROLES]:
         if info is None:
             parts.append(None)
             continue
@@ -373,7 +372,7 @@ def _create_handle(
         ex = model.expert(layer, expert)
         src = sources[i]
         src.layer, src.expert = layer, expert
-        for role in _ROLES:
+        for role in ROLES:
             _fill_source(getattr(src, role), ex, role)
     paths = [ffi.new("char[]", p.encode()) for p in model.files]
     files = ffi.new("const char *[]", paths)

@@ -53,7 +53,7 @@
 #define DEFAULT_QUEUE_DEPTH 256u
 #define MAX_LAYER_ID 1000000
 #define MAX_EXPERT_ID 1000000
-#define ERRLEN 512
+#define ERRLEN COLI_ERR_LEN
 #define DEFAULT_PREFETCH_CHUNK (1ull << 20)   /* a prefetch read can yield to demand reads this often */
 #define MIN_PREFETCH_CHUNK (64ull << 10)
 #define PAUSE_LIMIT_NS 50000000ll     /* longest a prefetch chunk waits for demand reads */
@@ -83,7 +83,7 @@ struct Slot {
     uint8_t batch;                /* BATCH_NONE, _QUEUED, _RUNNING or _DONE */
     int batch_rc;                 /* the worker's read result, when DONE */
     uint64_t batch_nread;
-    char batch_err[256];
+    char batch_err[ERRLEN];
 };
 
 enum { BATCH_NONE, BATCH_QUEUED, BATCH_RUNNING, BATCH_DONE };

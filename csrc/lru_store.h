@@ -56,6 +56,9 @@ enum {
     COLI_EAGAIN = -11       /* coli_lru_lookup_resident: not a hit now; do a full lookup */
 };
 
+/* A message buffer of this many bytes holds any message the store writes. */
+enum { COLI_ERR_LEN = 512 };
+
 /* Where one tensor's bytes are: a range of one file, plus its scales. */
 typedef struct {
     int file;                   /* index into ColiLruConfig.files */

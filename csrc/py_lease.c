@@ -27,8 +27,6 @@
 
 #include "lru_store.h"
 
-#define ERRLEN 512
-
 /* The arrays of one slot tenancy (an expert loaded into a slot), shared by
  * every lease of it; built by colibri._tenancy.TenancyBuilder. */
 typedef struct {
@@ -94,7 +92,7 @@ static PyObject *raise_code(Leaser *lr, int code, PyObject *message) {
 }
 
 static PyObject *raise_c_error(Leaser *lr, int code, const char *err) {
-    return raise_code(lr, code, PyUnicode_DecodeUTF8(err, (Py_ssize_t)strnlen(err, ERRLEN), "replace"));
+    return raise_code(lr, code, PyUnicode_DecodeUTF8(err, (Py_ssize_t)strnlen(err, COLI_ERR_LEN), "replace"));
 }
 
 /* ---- Tenancy --------------------------------------------------------- */
@@ -484,7 +482,7 @@ static PyObject *leaser_lease(Leaser *self, PyObject *const *args, Py_ssize_t na
     if (!lease) return NULL;
     int rc = self->api->lookup_resident(self->handle, layer, expert, &lease->view);
     if (rc == COLI_EAGAIN) {
-        char err[ERRLEN];
+        char err[COLI_ERR_LEN];
         err[0] = '\0';
         Py_BEGIN_ALLOW_THREADS
         rc = self->api->lookup(self->handle, layer, expert, &lease->view, err, sizeof err);
@@ -525,7 +523,7 @@ static PyObject *leaser_lease_many(Leaser *self, PyObject *const *args, Py_ssize
         if (!lease) goto fail;
         PyTuple_SET_ITEM(out, i, (PyObject *)lease);
     }
-    char err[ERRLEN];
+    char err[COLI_ERR_LEN];
     err[0] = '\0';
     int rc;
     Py_BEGIN_ALLOW_THREADS

@@ -214,8 +214,8 @@ def test_out_of_range_keys_are_not_found(store, layer, expert):
     view = new_view()
     assert lib.coli_expert_lookup(store._handle, key(layer, expert), view) == lib.COLI_ENOTFOUND == -2
     assert is_zeroed(view)
-    err = ffi.new("char[]", 256)
-    assert lib.coli_lru_lookup(store._handle, layer, expert, view, err, 256) == lib.COLI_ENOTFOUND
+    err = ffi.new("char[]", lib.COLI_ERR_LEN)
+    assert lib.coli_lru_lookup(store._handle, layer, expert, view, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
     message = ffi.string(err).decode()
     assert str(layer) in message
     assert is_zeroed(view)
@@ -227,15 +227,15 @@ def test_out_of_range_keys_are_not_found(store, layer, expert):
 def test_lookup_many_failure_zeroes_every_view(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=3, slot_wait_timeout=0.01) as store:
         views = ffi.new("ColiExpertView[]", 3)
-        err = ffi.new("char[]", 256)
+        err = ffi.new("char[]", lib.COLI_ERR_LEN)
         ids = ffi.new("int[]", [0, 1, 42])
-        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, 256) == lib.COLI_ENOTFOUND
+        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
         assert "42" in ffi.string(err).decode()
         for i in range(3):
             assert is_zeroed(views + i)
         assert active(store) == 0
         ids = ffi.new("int[]", [0, 1, 2])
-        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, 256) == 0
+        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == 0
         assert active(store) == 3
         for i in range(3):
             assert views[i].key.expert == i

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
-from colibri.fp8 import dequantize, dequantize_lease, infer_block
+from colibri.fp8 import dequantize, dequantize_lease
 
 F8 = ml_dtypes.float8_e4m3fn
 ROLES = ("gate", "up", "down")
@@ -194,9 +194,10 @@ def test_dequantize_default_block_and_inference() -> None:
     s = scales_for(rng, (256, 384))
     np.testing.assert_array_equal(dequantize(w, s), reference_dequantize(w, s, 128, 128))
     np.testing.assert_array_equal(dequantize(w, s, block=None), dequantize(w, s))
-    assert infer_block((7168, 2048), (56, 16)) == (128, 128)
-    assert infer_block((200, 320), (2, 3)) == (128, 128)
-    assert infer_block((64, 96), (2, 3)) == (32, 32)
+    # block=None infers the block: 128 where it tiles the weight, else the smallest that does
+    for shape, scales, edge in [((200, 320), (2, 3), (128, 128)), ((64, 96), (2, 3), (32, 32))]:
+        wi, si = fp8_values(rng, shape), rng.uniform(0.5, 2, scales).astype(np.float32)
+        np.testing.assert_array_equal(dequantize(wi, si, block=None), reference_dequantize(wi, si, *edge))
     w.flags.writeable = False
     dequantize(w, s)   # read-only input is fine, and untouched
     np.testing.assert_array_equal(w.astype(np.float32), fp8_values(np.random.default_rng(0), (256, 384)).astype(np.float32))
@@ -213,7 +214,7 @@ def test_dequantize_rejects_bad_input() -> None:
     with pytest.raises(FormatError, match="positive"):
         dequantize(w, np.ones((2, 3), np.float32), block=(0, 128))
     with pytest.raises(FormatError, match="do not tile"):
-        infer_block((10, 10), (11, 1))
+        dequantize(np.zeros((10, 10), F8), np.ones((11, 1), np.float32), block=None)
 
 
 def test_dequantize_lease_of_unscaled_experts(model_factory) -> None:

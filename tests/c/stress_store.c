@@ -53,7 +53,7 @@ static void *worker(void *p) {
     unsigned s = a->seed;
     for (int i = 0; i < a->iters; i++) {
         int layer = rand_r(&s) % LAYERS, expert = rand_r(&s) % EXPERTS, op = rand_r(&s) % 10;
-        char err[256];
+        char err[COLI_ERR_LEN];
         if (op < 2) {
             ColiExpertKey keys[3];
             for (int k = 0; k < 3; k++) keys[k] = (ColiExpertKey){layer, rand_r(&s) % (EXPERTS + 2) - 1};
@@ -123,7 +123,7 @@ static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint
     cfg.prefetch_never_pauses = never_pause;
     cfg.prefetch_chunk_bytes = 64 << 10;
     ColiExpertStore *store = NULL;
-    char err[256];
+    char err[COLI_ERR_LEN];
     int rc = coli_lru_store_create(&cfg, &store, err, sizeof err);
     CHECK(rc == 0, "create: %s", err);
     return store;
@@ -131,7 +131,7 @@ static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint
 
 static void contract_edges(ColiExpertStore *store) {
     ColiExpertView v, w, stale;
-    char err[256];
+    char err[COLI_ERR_LEN];
     /* NULL store: -1 and a zeroed view */
     memset(&v, 0xab, sizeof v);
     CHECK(coli_expert_lookup(NULL, (ColiExpertKey){0, 0}, &v) == -1, "NULL store lookup");
