@@ -1,13 +1,14 @@
-"""Command line: `python -m colibri demo` and `python -m colibri inspect PATH`."""
+"""Command line: `colibri demo` and `colibri inspect PATH [--slots N | --ram-gb X] [--json]`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
 from colibri.demo import DemoConfig, format_stats, run_demo
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, FormatError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -23,24 +24,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from colibri.describe import describe, render
     from colibri.layouts import scan_model
 
+    if args.slots is not None and args.slots < 1:
+        raise FormatError(f"--slots must be >= 1, got {args.slots}")
+    if args.ram_gb is not None and not args.ram_gb > 0:
+        raise FormatError(f"--ram-gb must be > 0, got {args.ram_gb}")
     model = scan_model(args.path, layout=args.layout)
-    total = 0
-    print(f"layout: {model.layout}")
-    print(f"files: {len(model.files)}")
-    print(f"{'layer':>6} {'experts':>8} {'bytes/expert':>14}  dtypes")
-    for layer in model.layers:
-        n = model.num_experts(layer)
-        per = model.expert_nbytes(layer)
-        ex = model.expert(layer, next(iter(model.experts[layer])))
-        dtypes = sorted({t.dtype for t in ex.tensors()})
-        total += n * per
-        print(f"{layer:>6} {n:>8} {per:>14,}  {','.join(dtypes)}")
-    print(f"routed-expert bytes: {total:,} ({total / 2**30:.2f} GiB)")
-    if args.slots:
-        ram = sum(min(args.slots, model.num_experts(l)) * model.expert_nbytes(l) for l in model.layers)
-        print(f"slots_per_layer={args.slots} needs about {ram:,} bytes ({ram / 2**30:.2f} GiB) of cache")
+    ram = None if args.ram_gb is None else int(args.ram_gb * 2**30)
+    data = describe(model, args.path, slots=args.slots, ram_bytes=ram)
+    print(json.dumps(data, indent=2) if args.json else render(data))
     return 0
 
 
@@ -62,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="describe the routed experts of a checkpoint")
     i.add_argument("path")
     i.add_argument("--layout", default="auto")
-    i.add_argument("--slots", type=int, default=0, help="show the RAM this many slots per layer would take")
+    budget = i.add_mutually_exclusive_group()
+    budget.add_argument("--slots", type=int, help="show the cache this many slots per layer would take")
+    budget.add_argument("--ram-gb", type=float, metavar="X",
+                        help="show the slots per layer a cache of X GiB (2**30 bytes) would give")
+    i.add_argument("--json", action="store_true", help="print the description as JSON, for scripts")
     i.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
