@@ -22,6 +22,7 @@ from colibri.layouts import Layout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import ExpertLease, LeaseGroup, Store, open_store
+from colibri.trace import Trace, TraceRecorder
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,8 @@ __all__ = [
     "Layout",
     "Pilot",
     "PilotReport",
+    "Trace",
+    "TraceRecorder",
     "ColibriError",
     "UnknownExpertError",
     "ExpertLoadError",
