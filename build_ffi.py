@@ -1,9 +1,10 @@
 """cffi builder (API mode, out of line) for colibri's C core, and the
 CPython extension of the lease type (csrc/py_lease.c), built with the same flags.
 
-The cdef is read from the public headers themselves: '#' lines are dropped and
-the bodies of static inline functions are cut down to declarations, so the
-headers stay the single source of truth.
+The cdef is read from the headers themselves, so they stay the single source
+of truth: the public headers and the test hooks' header with '#' lines dropped
+and the bodies of static inline functions cut down to declarations, and the
+error codes' enum from the private coli_errors.h.
 
 Environment:
   COLIBRI_SANITIZE  "address,undefined" or "thread": a sanitizer build (assertions on)
@@ -25,7 +26,10 @@ if TYPE_CHECKING:
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
 PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "lru_store.h")
-SOURCES = ("lru_store.c", "expert_reader.c", "io_pool.c")
+ERRORS_HEADER = "coli_errors.h"        # private: only its enum of error codes goes to cdef
+TEST_HOOKS_HEADER = "lru_test_hooks.h"  # compiled in, for the tests only
+SOURCES = ("lru_store.c", "ls_slots.c", "ls_policy.c", "ls_lookup.c", "ls_prefetch.c",
+           "expert_reader.c", "io_pool.c")
 
 
 def _declarations(header_text: str) -> str:
@@ -43,6 +47,20 @@ def _declarations(header_text: str) -> str:
         pos = i
     out.append(text[pos:])
     return "".join(out)
+
+
+def _enums(header_text: str) -> str:
+    """The anonymous enums of a header (its error codes), as cdef reads them."""
+    return "\n".join(m.group(0) for m in re.finditer(r"^enum\s*\{.*?^\};", header_text, re.S | re.M))
+
+
+def _cdef() -> str:
+    def read(name: str) -> str:
+        return open(os.path.join(CSRC, name), encoding="utf-8").read()
+
+    parts = [_enums(read(ERRORS_HEADER))]
+    parts += [_declarations(read(h)) for h in (*PUBLIC_HEADERS, TEST_HOOKS_HEADER)]
+    return "\n".join(parts)
 
 
 def _compile_args() -> tuple[list[str], list[str]]:
@@ -65,13 +83,11 @@ def _compile_args() -> tuple[list[str], list[str]]:
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(
-    "\n".join(_declarations(open(os.path.join(CSRC, h), encoding="utf-8").read()) for h in PUBLIC_HEADERS)
-)
+ffibuilder.cdef(_cdef())
 _compile, _link = _compile_args()
 ffibuilder.set_source(
     "colibri._colibri_cffi",
-    '#include "lru_store.h"',
+    '#include "lru_store.h"\n#include "lru_test_hooks.h"',
     sources=[os.path.join(CSRC, s) for s in SOURCES],
     include_dirs=[CSRC],
     depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")],

@@ -6,7 +6,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,16 +13,6 @@
 #include <unistd.h>
 
 #define RUN_ALIGN 64u             /* buffered runs keep their file offset's alignment mod this */
-
-int coli_fail(char *err, size_t err_len, int code, const char *fmt, ...) {
-    if (err && err_len > 0) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, err_len, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

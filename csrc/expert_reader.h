@@ -18,7 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "lru_store.h"
+#include "coli_errors.h"
+#include "lru_store.h"       /* ColiTensorSource, ColiExpertSource */
 
 #define COLI_IO_ALIGN 4096u       /* O_DIRECT alignment of offsets, lengths and buffers */
 #define COLI_MAX_RUNS 6           /* gate, up, down and their scales */
@@ -91,9 +92,5 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                      unsigned char *slot, ColiFaultHook *fault,
                      const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len);
-
-/* snprintf into err (if any) and return code. */
-int coli_fail(char *err, size_t err_len, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
 
 #endif /* COLI_EXPERT_READER_H */

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "expert_reader.h"
+#include "coli_errors.h"
 
 static void *worker_main(void *arg) {
     ColiIoPool *pool = arg;

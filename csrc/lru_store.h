@@ -38,23 +38,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "coli_errors.h"   /* the COLI_E* codes every function here returns */
 #include "expert_store.h"
-
-/* Error codes: a reserved negative range (-1 is the wrappers' NULL-store code). */
-enum {
-    COLI_OK = 0,
-    COLI_EINVAL = -1,       /* NULL or malformed argument */
-    COLI_ENOTFOUND = -2,    /* no such layer or expert */
-    COLI_EFULL = -3,        /* every slot of the layer stayed leased until the timeout */
-    COLI_EIO = -4,          /* a read failed or the file was too short */
-    COLI_ENOMEM = -5,       /* an allocation failed */
-    COLI_ECONFIG = -6,      /* the configuration is inconsistent */
-    COLI_ELEASE = -7,       /* lease misuse, e.g. lookup into a view holding a lease */
-    COLI_ETHREAD = -8,      /* a thread or lock could not be created */
-    COLI_ETIMEOUT = -9,     /* a wait for idle ended at its timeout */
-    COLI_ECLOSED = -10,     /* the store was closed with coli_lru_close */
-    COLI_EAGAIN = -11       /* coli_lru_lookup_resident: not a hit now; do a full lookup */
-};
 
 /* A message buffer of this many bytes holds any message the store writes. */
 enum { COLI_ERR_LEN = 512 };
@@ -179,20 +164,8 @@ uint64_t coli_lru_prefetch_pauses(ColiExpertStore *store);
 /* Leases held now, over all layers. */
 uint64_t coli_lru_active_leases(ColiExpertStore *store);
 
-/* Slots in layer's LRU and bytes per slot; both 0 for a layer without experts. */
+/* Slots in layer's cache; 0 for a layer without experts. */
 int coli_lru_layer_slots(ColiExpertStore *store, int layer);
-uint64_t coli_lru_slot_bytes(ColiExpertStore *store, int layer);
-
-/* Test hook: the nth read from now (1 = the next) fails with errno_value.
- * n = 0 disarms. Reads are counted across all threads of this store. */
-void coli_lru_inject_read_fault(ColiExpertStore *store, uint64_t nth,
-                                int errno_value);
-
-/* Test hook: while hold is nonzero, prefetch reads that a worker has begun
- * wait before each chunk, even if a lookup waits for them; close and
- * destroy lift the hold. held_prefetch_reads says how many wait now. */
-void coli_lru_hold_prefetch_reads(ColiExpertStore *store, int hold);
-int coli_lru_held_prefetch_reads(ColiExpertStore *store);
 
 /* Nonzero when the store was built with direct_io and O_DIRECT was refused
  * by the file system, so reads go through the page cache. */

@@ -18,7 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-SOURCES = [ROOT / "tests" / "c" / "stress_store.c", CSRC / "lru_store.c", CSRC / "expert_reader.c", CSRC / "io_pool.c"]
+import build_ffi_loader  # noqa: E402,F401  (puts the project root on sys.path)
+from build_ffi import SOURCES as CORE  # noqa: E402  (the core's sources, as the extension has them)
+
+SOURCES = [ROOT / "tests" / "c" / "stress_store.c", *(CSRC / name for name in CORE)]
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "lru_store.h"
+#include "lru_test_hooks.h"
 
 #define LAYERS 3
 #define EXPERTS 10

@@ -1,0 +1,227 @@
+/*
+ * ls_internal.h (private): the LRU store's data, shared by its files.
+ *
+ *   lru_store.c     life cycle: create (config, layers, slots), close,
+ *                   destroy, stats, the small extras
+ *   ls_slots.c      the slot state machine and its named transitions
+ *   ls_policy.c     the eviction policies behind the seam (LRU)
+ *   ls_lookup.c     lookup, lookup_resident, lookup_many, release
+ *   ls_prefetch.c   prefetch, the I/O workers' jobs, pacing, retire
+ *
+ * Private names start with ls_ (functions) or Ls (types); public ones with
+ * coli_ / Coli. Nothing here is seen by cffi.
+ *
+ * LOCKING. One mutex and one condition variable per layer guard that
+ * layer's slots, evictable set, expert table and counters; the condition is
+ * broadcast when a lease is released or a load ends, if anyone waits. No
+ * lock is held during a read. The pool mutex nests inside a layer mutex
+ * (prefetch posts while holding its layer), never the reverse; so does the
+ * demand gate's (a lookup that joins a prefetch wakes its paused reader).
+ * No thread holds two layer mutexes at once.
+ */
+#ifndef COLI_LS_INTERNAL_H
+#define COLI_LS_INTERNAL_H
+
+#include <assert.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include "coli_errors.h"
+#include "expert_reader.h"
+#include "io_pool.h"
+#include "lru_store.h"
+
+#define LS_DEFAULT_QUEUE_DEPTH 256u
+#define LS_MAX_LAYER_ID 1000000
+#define LS_MAX_EXPERT_ID 1000000
+#define LS_ERRLEN COLI_ERR_LEN
+#define LS_DEFAULT_PREFETCH_CHUNK (1ull << 20)   /* a prefetch read can yield to demand reads this often */
+#define LS_MIN_PREFETCH_CHUNK (64ull << 10)
+#define LS_PAUSE_LIMIT_NS 50000000ll     /* longest a prefetch chunk waits for demand reads */
+#define LS_DEMAND_JOB (1ull << 63)       /* tag bit of a batch read job; the rest is the generation */
+
+typedef enum { LS_EMPTY, LS_QUEUED, LS_READING, LS_RESIDENT } LsSlotState;
+
+/* Where a READING slot of a lease_many batch is: an I/O worker may read it
+ * for the batch; the batch's thread finishes the load. */
+enum { LS_BATCH_NONE, LS_BATCH_QUEUED, LS_BATCH_RUNNING, LS_BATCH_DONE };
+
+typedef struct LsLayer LsLayer;
+typedef struct LsSlot LsSlot;
+
+struct LsSlot {
+    LsSlot *prev, *next;          /* the policy's links; valid only while evictable */
+    LsLayer *layer;               /* owning layer, fixed */
+    unsigned char *mem;           /* slot memory, fixed */
+    int expert;                   /* expert held or loading; -1 when EMPTY */
+    LsSlotState state;
+    bool evictable;               /* in the policy's evictable set (ls_slots.c keeps it) */
+    bool prefetched;              /* loaded by prefetch and not hit yet */
+    _Atomic bool demanded;        /* a lookup waits for this load: it must not pause */
+    _Atomic bool retired;         /* a prefetch known to be a wrong guess: stop reading it */
+    uint32_t leases;              /* active leases; > 0 only when RESIDENT */
+    uint64_t generation;          /* bumped whenever the slot is repurposed */
+    /* The view of the expert given to this slot, minus the lease fields: a
+     * hit copies it instead of reading the expert's (large, cold) entry. */
+    ColiExpertView view;
+    uint8_t batch;                /* LS_BATCH_* */
+    int batch_rc;                 /* the worker's read result, when DONE */
+    uint64_t batch_nread;
+    char batch_err[LS_ERRLEN];
+};
+
+typedef struct {
+    ColiExpertSource src;         /* formats and shapes for views */
+    ColiReadPlan plan;
+} LsEntry;
+
+typedef struct {
+    uint64_t requests, hits, misses, prefetched, prefetch_hits, bytes_read;
+    uint64_t inflight_joins, loads_started, loads_failed, evictions, slot_waits;
+} LsCounters;
+
+/* THE POLICY SEAM. The evictable set of a layer (every EMPTY slot, and every
+ * RESIDENT one without a lease) belongs to its policy; the state machine
+ * (ls_slots.c) tells it what changes, under the layer mutex, and asks it for
+ * a victim. hit may be NULL. */
+typedef struct {
+    const char *name;
+    /* v joins the set: at the hot end (just released or loaded) or, with
+     * cold, ahead of every slot there for eviction (emptied, demoted). */
+    void (*insert)(LsLayer *L, LsSlot *v, bool cold);
+    void (*remove)(LsLayer *L, LsSlot *v);   /* v leaves the set: leased or taken */
+    void (*hit)(LsLayer *L, LsSlot *v);      /* a lookup hit v (before any remove) */
+    LsSlot *(*victim)(LsLayer *L);           /* the slot to give up next, or NULL */
+} LsPolicy;
+
+extern const LsPolicy ls_policy_lru;
+
+struct LsLayer {
+    /* Layers sit side by side in one array: each starts on its own cache
+     * line so threads on different layers do not share one. */
+    _Alignas(64) pthread_mutex_t mu;  /* guards everything below but the fixed fields and atomics */
+    pthread_cond_t cv;            /* a lease was released or a load ended */
+    int id;                       /* the model's layer index, fixed */
+    int n_entries;                /* largest expert index + 1, fixed */
+    LsEntry *entries;             /* indexed by expert; read on loads only */
+    /* Compact per-expert state, so a hit over a large model touches a few
+     * bytes per expert instead of a cold LsEntry of hundreds. */
+    bool *present;                /* indexed by expert: the model has it; fixed */
+    LsSlot **slot_of;             /* indexed by expert: slot holding or loading it, or NULL */
+    LsSlot *slots;                /* n_slots, fixed */
+    int n_slots;
+    uint64_t slot_bytes;          /* stride of the arena, fixed */
+    unsigned char *arena;
+    const LsPolicy *policy;       /* fixed */
+    LsSlot list;                  /* the LRU policy's sentinel */
+    uint32_t waiters;             /* threads in a wait on cv */
+    uint32_t loading;             /* slots QUEUED or READING */
+    uint32_t queued;              /* slots QUEUED */
+    uint64_t resident_bytes;
+    uint64_t leases;              /* leases held on this layer's slots */
+    LsCounters c;
+    bool sync_ready;              /* mu and cv were initialised */
+    _Atomic uint64_t calls;       /* lookups of this layer in progress (close guard) */
+};
+
+typedef struct {
+    ColiExpertStore base;         /* handed out; base.state points here */
+    ColiFileSet files;
+    LsLayer *layers;              /* n_layers, sorted by id */
+    int n_layers;
+    LsLayer **by_id;              /* layer id -> layer or NULL, max_id + 1 entries */
+    int max_id;
+    bool direct;
+    int64_t wait_timeout_ns;
+    ColiIoPool pool;
+    ColiFaultHook fault;
+    _Atomic uint64_t inflight;    /* loads QUEUED or READING, all layers */
+    _Atomic uint64_t peak_inflight;
+    _Atomic uint64_t prefetch_calls;  /* prefetches in progress (close guard) */
+    _Atomic uint64_t generations; /* source of slot generations: unique in the store */
+    _Atomic int closed;           /* set by coli_lru_close: slot memory is gone */
+    /* Demand first: prefetch reads go in chunks and, before each chunk,
+     * wait while a demand read is in progress (at most LS_PAUSE_LIMIT_NS), so
+     * a miss gets the disk to itself instead of a share of it. */
+    bool demand_first;
+    uint64_t prefetch_chunk;          /* bytes, a multiple of COLI_IO_ALIGN */
+    _Atomic uint32_t demand_reads;    /* demand reads in progress, all layers */
+    _Atomic uint64_t prefetch_pauses; /* chunks that waited */
+    pthread_mutex_t gate_mu;          /* a leaf lock: paused prefetch reads wait on gate_cv */
+    pthread_cond_t gate_cv;
+    bool gate_ready;
+    _Atomic int hold_prefetch;        /* test hook: prefetch reads wait before each chunk */
+    _Atomic uint32_t held;            /* prefetch reads waiting on that hook now */
+} LsStore;
+
+/* ---- small helpers (every file) ------------------------------------- */
+
+extern const ColiExpertStoreOps ls_ops;
+
+static inline LsStore *ls_store_of(ColiExpertStore *store) {
+    return (store && store->ops == &ls_ops) ? (LsStore *)store->state : NULL;
+}
+
+static inline LsLayer *ls_find_layer(LsStore *s, int layer) {
+    return (layer >= 0 && layer <= s->max_id) ? s->by_id[layer] : NULL;
+}
+
+static inline LsEntry *ls_find_entry(LsLayer *L, int expert) {
+    return (expert >= 0 && expert < L->n_entries && L->present[expert])
+               ? &L->entries[expert] : NULL;
+}
+
+static inline uint64_t ls_next_generation(LsStore *s) {
+    return atomic_fetch_add(&s->generations, 1) + 1;
+}
+
+/* Brackets a call that touches slot memory or the pool, against close().
+ * Both sides write their flag then read the other's (sequentially
+ * consistent), so either close sees the call or the call sees close. The
+ * counter is per layer (or the store's, for prefetch) so that threads on
+ * different layers never write one cache line. */
+static inline bool ls_call_enter(LsStore *s, _Atomic uint64_t *calls) {
+    atomic_fetch_add(calls, 1);
+    if (!atomic_load(&s->closed)) return true;
+    atomic_fetch_sub(calls, 1);
+    return false;
+}
+
+static inline void ls_call_leave(_Atomic uint64_t *calls) { atomic_fetch_sub(calls, 1); }
+
+/* Wakes the layer's waiters, if any. Caller holds L->mu. */
+static inline void ls_wake(LsLayer *L) {
+    if (L->waiters > 0) pthread_cond_broadcast(&L->cv);
+}
+
+/* The monotonic time ns from now. */
+void ls_deadline_after(struct timespec *ts, int64_t ns);
+
+/* Waits on L->cv, until deadline when given. Returns ETIMEDOUT or 0. */
+int ls_layer_wait(LsLayer *L, const struct timespec *deadline);
+
+/* ---- demand first (ls_prefetch.c) ----------------------------------- */
+
+/* Bracket every read a lookup waits for. */
+void ls_demand_begin(LsStore *s);
+void ls_demand_end(LsStore *s);
+/* A lookup now waits for the load of v (READING): it must run unpaused. */
+void ls_demand_join(LsStore *s, LsSlot *v);
+/* The test hook's hold on prefetch reads (lifted by close and destroy). */
+void ls_set_hold(LsStore *s, int hold);
+/* The pool's job function: batch reads (LS_DEMAND_JOB) and prefetches. */
+void ls_run_job(void *ctx, ColiJob job);
+
+/* ---- ops (ls_lookup.c, ls_prefetch.c) ------------------------------- */
+
+int ls_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view);
+void ls_release_op(ColiExpertStore *store, ColiExpertView *view);
+int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count);
+
+#include "ls_slots.h"
+
+#endif /* COLI_LS_INTERNAL_H */

@@ -1,0 +1,424 @@
+/*
+ * ls_lookup.c: the lookups (one expert, its hit alone, a layer's batch) and
+ * release, on top of the slot state machine (ls_slots.h).
+ *
+ * A lookup hits a resident expert, joins a load in flight, or claims a slot
+ * and reads the expert itself (demand first: ahead of every queued
+ * prefetch). When every slot of the layer is leased it waits for a release,
+ * up to the store's timeout. A batch (lookup_many) never holds a lease
+ * while it waits for room, so two batches cannot each hold what the other
+ * needs; its steps are prepare, wait for room, commit, read, join, finish.
+ */
+#define _GNU_SOURCE
+#include "ls_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+
+void ls_deadline_after(struct timespec *ts, int64_t ns) {
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ns / 1000000000;
+    ts->tv_nsec += ns % 1000000000;
+    if (ts->tv_nsec >= 1000000000) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000;
+    }
+}
+
+int ls_layer_wait(LsLayer *L, const struct timespec *deadline) {
+    L->waiters++;
+    int rc = deadline ? pthread_cond_timedwait(&L->cv, &L->mu, deadline)
+                      : pthread_cond_wait(&L->cv, &L->mu);
+    L->waiters--;
+    return rc;
+}
+
+/* Reads v's expert, which the caller has claimed (READING), and leases it to
+ * view. Called and returns with L->mu held; drops it to read. */
+static int demand_read(LsStore *s, LsLayer *L, LsSlot *v, ColiExpertView *view, char *err,
+                       size_t n) {
+    LsEntry *e = &L->entries[v->expert];
+    uint64_t nread = 0;
+    pthread_mutex_unlock(&L->mu);
+    ls_demand_begin(s);
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, NULL, &nread, err, n);
+    ls_demand_end(s);
+    pthread_mutex_lock(&L->mu);
+    ls_slot_finish_load(s, L, v, rc, nread, 1);
+    if (rc == COLI_OK) ls_fill_view(view, v);
+    return rc;
+}
+
+/* ---- one expert ------------------------------------------------------ */
+
+/* The lookup. With hit_only, an expert that is not resident now is not
+ * waited for or read: COLI_EAGAIN, nothing counted, the view zeroed. */
+static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
+                       bool hit_only, char *err, size_t n) {
+    if (!view) return coli_fail(err, n, COLI_EINVAL, "lookup of layer %d expert %d: view is NULL", layer, expert);
+    if (!s) {
+        memset(view, 0, sizeof(*view));
+        return coli_fail(err, n, COLI_EINVAL, "lookup: not an LRU expert store");
+    }
+    LsLayer *held = view->lease ? ls_find_layer(s, view->key.layer) : NULL;
+    if (held) {
+        /* Overwriting a live lease would leak it for good, so drop it and
+         * refuse. Anything else in the view is garbage we may overwrite. */
+        pthread_mutex_lock(&held->mu);
+        bool live = ls_slot_release_view(held, view);
+        pthread_mutex_unlock(&held->mu);
+        if (live) {
+            memset(view, 0, sizeof(*view));
+            return coli_fail(err, n, COLI_ELEASE,
+                             "lookup of layer %d expert %d: the view already holds a lease "
+                             "(it was released); pass a zeroed view", layer, expert);
+        }
+    }
+    memset(view, 0, sizeof(*view));
+    LsLayer *L = ls_find_layer(s, layer);
+    if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
+    LsEntry *e = ls_find_entry(L, expert);
+    if (!e)
+        return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no expert %d (experts 0..%d)",
+                         layer, expert, L->n_entries - 1);
+
+    pthread_mutex_lock(&L->mu);
+    bool joined = false, full_wait = false;
+    struct timespec deadline;
+    for (;;) {
+        LsSlot *v = L->slot_of[expert];
+        if (v && v->state == LS_RESIDENT) {
+            ls_slot_lease(L, v, view);
+            pthread_mutex_unlock(&L->mu);
+            return COLI_OK;
+        }
+        if (hit_only) {
+            pthread_mutex_unlock(&L->mu);
+            return COLI_EAGAIN;
+        }
+        if (v && v->state == LS_READING) {   /* join that load */
+            if (!joined) L->c.inflight_joins++;
+            joined = true;
+            ls_demand_join(s, v);
+            ls_layer_wait(L, NULL);
+            continue;
+        }
+        /* Missing, or a queued prefetch we take over rather than wait
+         * behind the queue for. */
+        LsSlot *mine = ls_slot_claim(s, L, e, expert);
+        if (mine) {
+            int rc = demand_read(s, L, mine, view, err, n);
+            pthread_mutex_unlock(&L->mu);
+            return rc;
+        }
+        if (L->loading > 0) {     /* a load ends soon and frees or fills a slot */
+            ls_layer_wait(L, NULL);
+            continue;
+        }
+        /* Every slot is leased: wait for a release, up to the timeout. */
+        if (!full_wait) {
+            full_wait = true;
+            L->c.slot_waits++;
+            if (s->wait_timeout_ns >= 0) ls_deadline_after(&deadline, s->wait_timeout_ns);
+        }
+        int rc = ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL);
+        if (rc == ETIMEDOUT && !ls_victim(L) && L->loading == 0 && !L->slot_of[expert]) {
+            L->c.requests++;
+            pthread_mutex_unlock(&L->mu);
+            return coli_fail(err, n, COLI_EFULL,
+                             "cache full: all %d slots of layer %d stayed leased for %.3f s "
+                             "while looking up expert %d; release leases or raise slots",
+                             L->n_slots, layer, (double)s->wait_timeout_ns / 1e9, expert);
+        }
+    }
+}
+
+static int guarded_lookup(ColiExpertStore *store, int layer, int expert, ColiExpertView *view,
+                          bool hit_only, char *err, size_t n) {
+    LsStore *s = ls_store_of(store);
+    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+    if (L && !ls_call_enter(s, &L->calls)) {
+        if (view) memset(view, 0, sizeof(*view));
+        return coli_fail(err, n, COLI_ECLOSED, "lookup of layer %d expert %d: the store is closed",
+                         layer, expert);
+    }
+    int rc = lookup_impl(s, layer, expert, view, hit_only, err, n);
+    if (L) ls_call_leave(&L->calls);
+    return rc;
+}
+
+int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
+                    ColiExpertView *view, char *err, size_t n) {
+    return guarded_lookup(store, layer, expert, view, false, err, n);
+}
+
+int coli_lru_lookup_resident(ColiExpertStore *store, int layer, int expert, ColiExpertView *view) {
+    int rc = guarded_lookup(store, layer, expert, view, true, NULL, 0);
+    return rc == COLI_OK ? COLI_OK : COLI_EAGAIN;
+}
+
+int ls_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view) {
+    return coli_lru_lookup(store, key.layer, key.expert, view, NULL, 0);
+}
+
+void ls_release_op(ColiExpertStore *store, ColiExpertView *view) {
+    LsStore *s = ls_store_of(store);
+    if (!s || !view || !view->lease) return;
+    LsLayer *L = ls_find_layer(s, view->key.layer);
+    if (!L) return;
+    pthread_mutex_lock(&L->mu);
+    ls_slot_release_view(L, view);
+    pthread_mutex_unlock(&L->mu);
+}
+
+/* ---- a layer's batch -------------------------------------------------- */
+
+typedef struct {
+    LsStore *s;
+    LsLayer *L;
+    const int *experts;
+    int count;
+    ColiExpertView *views;
+    int *first;                   /* first[i]: index of the first occurrence of experts[i] */
+    int *at;                      /* at[k]: the index whose expert reading[k] loads */
+    LsSlot **reading;             /* slots this batch claimed to read */
+    int n_reading;
+    char *err;
+    size_t n;
+} Batch;
+
+/* Step 1, before any lock: every expert exists and the distinct ones fit
+ * the layer. Fills first[]. */
+static int batch_prepare(Batch *b) {
+    LsLayer *L = b->L;
+    int distinct = 0;
+    for (int i = 0; i < b->count; i++) {
+        if (!ls_find_entry(L, b->experts[i]))
+            return coli_fail(b->err, b->n, COLI_ENOTFOUND, "layer %d has no expert %d (experts 0..%d)",
+                             L->id, b->experts[i], L->n_entries - 1);
+        b->first[i] = i;
+        for (int j = 0; j < i; j++)
+            if (b->experts[j] == b->experts[i]) { b->first[i] = j; break; }
+        distinct += b->first[i] == i;
+    }
+    if (distinct > L->n_slots)
+        return coli_fail(b->err, b->n, COLI_EFULL,
+                         "cache full: %d distinct experts asked of layer %d, which has %d slots",
+                         distinct, L->id, L->n_slots);
+    return COLI_OK;
+}
+
+/* Whether the batch's missing experts fit in the slots it may take:
+ * evictable ones except those holding its own resident experts, plus other
+ * experts' queued prefetches. */
+static bool batch_fits(const Batch *b) {
+    LsLayer *L = b->L;
+    int missing = 0;
+    for (int i = 0; i < b->count; i++)
+        missing += b->first[i] == i && !L->slot_of[b->experts[i]];
+    int room = 0;
+    for (int j = 0; j < L->n_slots; j++) {
+        LsSlot *v = &L->slots[j];
+        bool ours = false;
+        for (int i = 0; i < b->count && !ours && v->state == LS_RESIDENT; i++) ours = v->expert == b->experts[i];
+        if (v->state == LS_QUEUED) {
+            for (int i = 0; i < b->count && !ours; i++) ours = v->expert == b->experts[i];
+            room += !ours;
+        } else if (v->evictable && !ours) {
+            room++;
+        }
+    }
+    return missing <= room;
+}
+
+/* Step 2: waits, holding no lease, until the whole batch fits, up to the
+ * timeout. */
+static int batch_wait_room(Batch *b) {
+    LsStore *s = b->s;
+    LsLayer *L = b->L;
+    bool full_wait = false;
+    struct timespec deadline;
+    while (!batch_fits(b)) {
+        if (L->loading > 0) {     /* a load ends soon and fills or frees a slot */
+            ls_layer_wait(L, NULL);
+            continue;
+        }
+        if (!full_wait) {
+            full_wait = true;
+            L->c.slot_waits++;
+            if (s->wait_timeout_ns >= 0) ls_deadline_after(&deadline, s->wait_timeout_ns);
+        }
+        if (ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL) == ETIMEDOUT) {
+            L->c.requests += (uint64_t)b->count;
+            return coli_fail(b->err, b->n, COLI_EFULL,
+                             "cache full: %d experts of layer %d could not be leased together: its %d "
+                             "slots stayed leased for %.3f s", b->count, L->id, L->n_slots,
+                             (double)s->wait_timeout_ns / 1e9);
+        }
+    }
+    return COLI_OK;
+}
+
+/* Step 3: takes every slot at once, in three passes: resident experts are
+ * leased, then the batch's queued prefetches are taken over, and only then
+ * are victims chosen, so a victim is never one of the batch's own experts.
+ * Experts another thread is loading are joined after our own reads. */
+static void batch_commit(Batch *b) {
+    LsLayer *L = b->L;
+    b->n_reading = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        for (int i = 0; i < b->count; i++) {
+            if (b->first[i] != i) continue;
+            LsEntry *e = &L->entries[b->experts[i]];
+            LsSlot *v = L->slot_of[b->experts[i]];
+            if (pass == 0) {
+                if (v && v->state == LS_RESIDENT) ls_slot_lease(L, v, &b->views[i]);
+                else if (v && v->state == LS_READING) ls_demand_join(b->s, v);
+                continue;
+            }
+            if (v ? v->state != LS_QUEUED || pass != 1 : pass != 2) continue;
+            b->at[b->n_reading] = i;
+            b->reading[b->n_reading++] = ls_slot_claim(b->s, L, e, b->experts[i]);   /* room was counted */
+        }
+    }
+}
+
+/* Step 4: reads the claimed slots. Several misses: all but the first go to
+ * the I/O workers, ahead of queued prefetches, so the reads overlap; the
+ * rest are read here. A job no worker has started when we get to it is
+ * taken back. Returns the first failure (its message in err). */
+static int batch_read(Batch *b) {
+    LsStore *s = b->s;
+    LsLayer *L = b->L;
+    int rc = COLI_OK;
+    for (int k = 1; k < b->n_reading; k++) {
+        LsSlot *v = b->reading[k];
+        v->batch = LS_BATCH_QUEUED;
+        if (!coli_pool_post(&s->pool, (ColiJob){v, v->generation | LS_DEMAND_JOB}, true))
+            v->batch = LS_BATCH_NONE;
+    }
+    for (int k = 0; k < b->n_reading; k++) {
+        LsSlot *v = b->reading[k];
+        int r;
+        uint64_t nread = 0;
+        if (v->batch == LS_BATCH_NONE || v->batch == LS_BATCH_QUEUED) {
+            v->batch = LS_BATCH_NONE;
+            char local[LS_ERRLEN];
+            const ColiReadPlan *plan = &L->entries[v->expert].plan;
+            pthread_mutex_unlock(&L->mu);
+            ls_demand_begin(s);
+            r = coli_read_expert(&s->files, plan, v->mem, &s->fault, NULL, &nread,
+                                 rc == COLI_OK ? b->err : local, rc == COLI_OK ? b->n : sizeof local);
+            ls_demand_end(s);
+            pthread_mutex_lock(&L->mu);
+        } else {
+            while (v->batch != LS_BATCH_DONE) ls_layer_wait(L, NULL);
+            v->batch = LS_BATCH_NONE;
+            r = v->batch_rc;
+            nread = v->batch_nread;
+            if (r != COLI_OK && rc == COLI_OK) coli_fail(b->err, b->n, r, "%s", v->batch_err);
+        }
+        ls_slot_finish_load(s, L, v, r, nread, r == COLI_OK ? 1 : 0);
+        if (r == COLI_OK) ls_fill_view(&b->views[b->at[k]], v);
+        else if (rc == COLI_OK) rc = r;
+    }
+    return rc;
+}
+
+/* Step 5: loads of ours that a worker or another thread runs are waited for
+ * now, holding our leases. That cannot deadlock: a read never waits for a
+ * lease. One that failed, or was evicted before we woke, is read here if a
+ * slot is free; else *again is set: the batch must give everything back
+ * and start over. */
+static int batch_join(Batch *b, bool *joined, bool *again) {
+    LsStore *s = b->s;
+    LsLayer *L = b->L;
+    int rc = COLI_OK;
+    while (rc == COLI_OK) {
+        bool pending = false;
+        for (int i = 0; i < b->count && rc == COLI_OK && !*again; i++) {
+            if (b->first[i] != i || b->views[i].lease) continue;
+            LsEntry *e = &L->entries[b->experts[i]];
+            LsSlot *v = L->slot_of[b->experts[i]];
+            if (v && v->state == LS_RESIDENT) {
+                ls_slot_lease(L, v, &b->views[i]);
+            } else if (v && v->state == LS_READING) {
+                pending = true;
+                ls_demand_join(s, v);
+            } else if ((v = ls_slot_claim(s, L, e, b->experts[i])) != NULL) {
+                rc = demand_read(s, L, v, &b->views[i], b->err, b->n);
+            } else {
+                *again = true;
+            }
+        }
+        if (*again || !pending) break;
+        if (!*joined) L->c.inflight_joins++;
+        *joined = true;
+        ls_layer_wait(L, NULL);
+    }
+    return rc;
+}
+
+/* Step 6, all or nothing: on failure (or to start over) gives back every
+ * lease held; on success a repeated expert gets one more lease. */
+static void batch_finish(Batch *b, bool ok) {
+    LsLayer *L = b->L;
+    if (!ok) {
+        for (int i = 0; i < b->count; i++)
+            if (b->first[i] == i && b->views[i].lease) ls_slot_unlease(L, b->views[i].lease);
+        memset(b->views, 0, sizeof(*b->views) * (size_t)b->count);
+        return;
+    }
+    for (int i = 0; i < b->count; i++)
+        if (b->first[i] != i) ls_slot_lease(L, L->slot_of[b->experts[i]], &b->views[i]);
+}
+
+static int lookup_many_impl(LsStore *s, int layer, const int *experts,
+                            int count, ColiExpertView *views, char *err, size_t n) {
+    if (!s || count < 0 || (count > 0 && (!experts || !views)))
+        return coli_fail(err, n, COLI_EINVAL, "lookup_many: bad arguments");
+    memset(views, 0, sizeof(*views) * (size_t)count);
+    if (count == 0) return COLI_OK;
+    LsLayer *L = ls_find_layer(s, layer);
+    if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
+    Batch b = {.s = s, .L = L, .experts = experts, .count = count, .views = views, .err = err, .n = n};
+    b.first = malloc(sizeof(int) * 2 * (size_t)count);
+    b.reading = malloc(sizeof(LsSlot *) * (size_t)count);
+    if (!b.first || !b.reading) {
+        free(b.first);
+        free(b.reading);
+        return coli_fail(err, n, COLI_ENOMEM, "lookup_many: out of memory for %d experts", count);
+    }
+    b.at = b.first + count;
+    int rc = batch_prepare(&b);
+    if (rc == COLI_OK) {
+        pthread_mutex_lock(&L->mu);
+        bool joined = false, again;
+        do {
+            again = false;
+            rc = batch_wait_room(&b);
+            if (rc != COLI_OK) break;
+            batch_commit(&b);
+            rc = batch_read(&b);
+            if (rc == COLI_OK) rc = batch_join(&b, &joined, &again);
+            batch_finish(&b, rc == COLI_OK && !again);
+        } while (rc == COLI_OK && again);
+        pthread_mutex_unlock(&L->mu);
+    }
+    free(b.first);
+    free(b.reading);
+    return rc;
+}
+
+int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
+                         int count, ColiExpertView *views, char *err, size_t n) {
+    LsStore *s = ls_store_of(store);
+    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+    if (L && !ls_call_enter(s, &L->calls)) {
+        if (views && count > 0) memset(views, 0, sizeof(*views) * (size_t)count);
+        return coli_fail(err, n, COLI_ECLOSED, "lookup_many of layer %d: the store is closed", layer);
+    }
+    int rc = lookup_many_impl(s, layer, experts, count, views, err, n);
+    if (L) ls_call_leave(&L->calls);
+    return rc;
+}

@@ -1,0 +1,152 @@
+/*
+ * ls_slots.c: the slot state machine's transitions (see ls_slots.h for the
+ * states and the diagram). Every function here runs under the slot's layer
+ * mutex; none reads a file or waits.
+ */
+#define _GNU_SOURCE
+#include "ls_internal.h"
+
+static void inflight_up(LsStore *s) {
+    uint64_t now = atomic_fetch_add(&s->inflight, 1) + 1;
+    uint64_t peak = atomic_load(&s->peak_inflight);
+    while (now > peak && !atomic_compare_exchange_weak(&s->peak_inflight, &peak, now)) {}
+}
+
+static void fill_tensor(ColiTensorView *t, const ColiTensorSource *src, const unsigned char *mem,
+                        uint64_t data_at, uint64_t scales_at) {
+    t->format = src->format;
+    t->scale_format = src->scale_format;
+    t->data = mem + data_at;
+    t->scales = src->scale_format == COLI_SCALE_NONE ? NULL : mem + scales_at;
+    t->data_bytes = (size_t)src->nbytes;
+    t->scale_bytes = src->scale_format == COLI_SCALE_NONE ? 0 : (size_t)src->scale_nbytes;
+    t->rows = src->rows;
+    t->columns = src->columns;
+    t->block_rows = src->scale_format == COLI_SCALE_NONE ? 0 : src->block_rows;
+    t->block_columns = src->scale_format == COLI_SCALE_NONE ? 0 : src->block_columns;
+}
+
+/* The view of expert e held in slot memory mem, without a lease. */
+static void fill_template(ColiExpertView *view, const LsLayer *L, const LsEntry *e, int expert,
+                          const unsigned char *mem) {
+    memset(view, 0, sizeof(*view));
+    view->key.layer = L->id;
+    view->key.expert = expert;
+    fill_tensor(&view->gate, &e->src.gate, mem, e->plan.data_at[0], e->plan.scales_at[0]);
+    fill_tensor(&view->up, &e->src.up, mem, e->plan.data_at[1], e->plan.scales_at[1]);
+    fill_tensor(&view->down, &e->src.down, mem, e->plan.data_at[2], e->plan.scales_at[2]);
+}
+
+/* Whatever v held or was loading is gone: v is EMPTY with a new
+ * generation, evicted first. */
+static void to_empty(LsStore *s, LsLayer *L, LsSlot *v) {
+    L->slot_of[v->expert] = NULL;
+    v->expert = -1;
+    v->state = LS_EMPTY;
+    v->prefetched = false;
+    v->generation = ls_next_generation(s);
+    ls_set_insert(L, v, true);
+}
+
+void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
+                       LsSlotState st, uint64_t generation) {
+    ls_set_remove(L, v);
+    if (v->state == LS_RESIDENT) {
+        L->slot_of[v->expert] = NULL;
+        L->resident_bytes -= L->entries[v->expert].plan.payload;
+        L->c.evictions++;
+    }
+    v->generation = generation;
+    v->expert = expert;
+    v->state = st;
+    v->prefetched = (st == LS_QUEUED);
+    atomic_store(&v->demanded, false);
+    atomic_store(&v->retired, false);
+    L->slot_of[expert] = v;
+    fill_template(&v->view, L, e, expert, v->mem);
+    L->loading++;
+    if (st == LS_QUEUED) L->queued++;
+    L->c.loads_started++;
+    inflight_up(s);
+}
+
+void ls_slot_begin_read(LsLayer *L, LsSlot *v) {
+    assert(v->state == LS_QUEUED);
+    v->state = LS_READING;
+    L->queued--;
+}
+
+void ls_slot_finish_load(LsStore *s, LsLayer *L, LsSlot *v, int rc, uint64_t nread,
+                         uint32_t leases) {
+    LsEntry *e = &L->entries[v->expert];
+    bool ok = rc == COLI_OK;
+    L->c.bytes_read += nread;
+    L->loading--;
+    atomic_fetch_sub(&s->inflight, 1);
+    if (ok) {
+        v->state = LS_RESIDENT;
+        v->leases = leases;
+        L->resident_bytes += e->plan.payload;
+        if (leases == 0) ls_set_insert(L, v, false);
+        else L->leases += leases;
+    } else {
+        if (rc != COLI_READ_STOPPED) L->c.loads_failed++;
+        to_empty(s, L, v);
+    }
+    ls_wake(L);
+}
+
+void ls_slot_empty(LsStore *s, LsLayer *L, LsSlot *v) {
+    assert(v->state == LS_QUEUED);
+    L->queued--;
+    L->loading--;
+    atomic_fetch_sub(&s->inflight, 1);
+    to_empty(s, L, v);
+    ls_wake(L);
+}
+
+/* A QUEUED slot of another expert that a demand miss may take, or NULL. */
+static LsSlot *queued_slot(LsLayer *L) {
+    for (int i = 0; i < L->n_slots; i++)
+        if (L->slots[i].state == LS_QUEUED) return &L->slots[i];
+    return NULL;
+}
+
+LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert) {
+    LsSlot *v = L->slot_of[expert];
+    if (v) {
+        ls_slot_begin_read(L, v);
+        L->c.requests++;
+        L->c.hits++;
+        L->c.inflight_joins++;
+        L->c.prefetch_hits++;
+        v->prefetched = false;
+        return v;
+    }
+    v = ls_victim(L);
+    if (!v && (v = queued_slot(L)) != NULL) ls_slot_empty(s, L, v);
+    if (!v) return NULL;
+    ls_slot_repurpose(s, L, v, e, expert, LS_READING, ls_next_generation(s));
+    L->c.requests++;
+    L->c.misses++;
+    return v;
+}
+
+void ls_slot_demote(LsLayer *L, LsSlot *v) {
+    assert(v->state == LS_RESIDENT && v->leases == 0);
+    ls_set_remove(L, v);
+    ls_set_insert(L, v, true);
+    v->prefetched = false;
+}
+
+bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) {
+    LsSlot *v = view->lease;
+    uintptr_t p = (uintptr_t)v, lo = (uintptr_t)L->slots;
+    if (p < lo || p >= lo + sizeof(LsSlot) * (size_t)L->n_slots || (p - lo) % sizeof(LsSlot) != 0)
+        return false;             /* not one of this layer's slots */
+    if (v->generation != view->lease_generation || v->state != LS_RESIDENT ||
+        v->leases == 0 || v->expert != view->key.expert)
+        return false;             /* stale: the slot was repurposed since */
+    ls_slot_unlease(L, v);
+    return true;
+}

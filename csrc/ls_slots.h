@@ -1,0 +1,135 @@
+/*
+ * ls_slots.h (private): the slot state machine of the LRU store.
+ *
+ * Each MoE layer owns a fixed array of slots carved from one page-aligned
+ * arena. A slot is in one of four states, and only the transitions below
+ * (defined in ls_slots.c, the two on the hit path inline here) change a
+ * slot's state, expert, generation, leases or membership of the evictable
+ * set; every other file calls them.
+ *
+ *              repurpose (prefetch)        begin_read (worker)
+ *     EMPTY ---------------------> QUEUED ------------------> READING
+ *    ^  ^ |                        |  ^ claim (own queued,      |
+ *    |  | |                        |  | taken over by a lookup) |
+ *    |  | | claim / repurpose      |  +------------------------>|
+ *    |  | +----------------------------------------------------->|
+ *    |  |             empty        |                            |
+ *    |  +--------------------------+ (cancelled, retired,       |
+ *    |                               closed, or room for a miss)|
+ *    |          finish_load (failed or stopped)                 |
+ *    +----------------------------------------------------------+
+ *                                                               | finish_load (ok)
+ *     RESIDENT <------------------------------------------------+
+ *       | lease / unlease: leases up and down; unleased = evictable
+ *       | demote: an unhit prefetch, to be evicted first
+ *       +-- claim / repurpose (evicted: counted) --> QUEUED or READING
+ *
+ * A slot is in its layer's evictable set iff it is EMPTY, or RESIDENT with
+ * zero leases. The set is the policy's (ls_internal.h, the seam): "leased"
+ * means "not in the set", so a hit leaves it in O(1) and the victim is the
+ * policy's choice (for LRU the tail of a list, also O(1)).
+ *
+ *   one slot:   +-------------------------------------------------+
+ *               | expert's runs, as read: gate | up | down (+scales)|
+ *               +-------------------------------------------------+
+ *
+ * QUEUED (a prefetch waiting for a worker) and READING slots are out of the
+ * set and owned by whoever reads them; lookups of their expert join the
+ * load, and a demand lookup takes a QUEUED slot over instead of waiting
+ * behind the queue. Every time a slot is given to another expert, or
+ * emptied, its generation changes (lease contract rule 4).
+ *
+ * Every function here: caller holds the slot's layer mutex.
+ */
+#ifndef COLI_LS_SLOTS_H
+#define COLI_LS_SLOTS_H
+
+/* Included at the end of ls_internal.h, which defines the types. */
+
+/* v joins the evictable set (hot end, or cold: evicted first). */
+static inline void ls_set_insert(LsLayer *L, LsSlot *v, bool cold) {
+    assert(!v->evictable);
+    L->policy->insert(L, v, cold);
+    v->evictable = true;
+}
+
+static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
+    assert(v->evictable);
+    L->policy->remove(L, v);
+    v->evictable = false;
+}
+
+/* The slot an eviction would take now, or NULL. */
+static inline LsSlot *ls_victim(LsLayer *L) { return L->policy->victim(L); }
+
+/* Copies slot v's view and its lease into view. */
+static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
+    *view = v->view;
+    view->lease = (void *)v;
+    view->lease_generation = v->generation;
+}
+
+/* lease: a hit. Takes a lease on resident slot v and counts it. */
+static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view) {
+    if (L->policy->hit) L->policy->hit(L, v);
+    if (v->evictable) ls_set_remove(L, v);
+    v->leases++;
+    L->leases++;
+    L->c.requests++;
+    L->c.hits++;
+    if (v->prefetched) {
+        L->c.prefetch_hits++;
+        v->prefetched = false;
+    }
+    ls_fill_view(view, v);
+}
+
+/* unlease: drops one lease of resident slot v; the last one makes it
+ * evictable and wakes waiters. */
+static inline void ls_slot_unlease(LsLayer *L, LsSlot *v) {
+    v->leases--;
+    L->leases--;
+    if (v->leases == 0) {
+        ls_set_insert(L, v, false);
+        ls_wake(L);
+    }
+}
+
+/* Drops the lease of view if it is current: false when view holds no live
+ * lease of layer L (stale generation, or not one of L's slots). */
+bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view);
+
+/* repurpose: gives evictable slot v to entry e's expert in state st
+ * (QUEUED or READING) with the given generation (from
+ * ls_next_generation()): drops whatever v held (counting an eviction) and
+ * builds the view its leases will copy. */
+void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
+                       LsSlotState st, uint64_t generation);
+
+/* claim: gives a demand miss of entry e's expert (neither resident nor
+ * being read) a slot to read it into, marked READING: its own queued
+ * prefetch, taken over (the worker will find it READING and skip the job),
+ * else the policy's victim, else another expert's queued prefetch, emptied.
+ * Counts the request. NULL when no slot is free now. */
+LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert);
+
+/* begin_read: a worker starts the queued prefetch in v (QUEUED -> READING). */
+void ls_slot_begin_read(LsLayer *L, LsSlot *v);
+
+/* finish_load: ends the load of slot v (READING) with the read's result
+ * rc: on success it becomes RESIDENT with `leases` leases; on failure, or
+ * when the read was stopped (not a failure), it becomes EMPTY, evicted
+ * first. Wakes waiters. */
+void ls_slot_finish_load(LsStore *s, LsLayer *L, LsSlot *v, int rc, uint64_t nread,
+                         uint32_t leases);
+
+/* empty: cancels the queued prefetch in v (its job goes stale by
+ * generation) and makes v an empty slot, evicted first. Wakes waiters: one
+ * load fewer (wait_idle) and one free slot more (lookups). */
+void ls_slot_empty(LsStore *s, LsLayer *L, LsSlot *v);
+
+/* demote: resident v, unleased and never hit since its prefetch, goes to
+ * the cold end of the set, to be evicted first. */
+void ls_slot_demote(LsLayer *L, LsSlot *v);
+
+#endif /* COLI_LS_SLOTS_H */
