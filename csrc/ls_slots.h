@@ -7,22 +7,30 @@
  * slot's state, expert, generation, leases or membership of the evictable
  * set; every other file calls them.
  *
- *              repurpose (prefetch)        begin_read (worker)
- *     EMPTY ---------------------> QUEUED ------------------> READING
- *    ^  ^ |                        |  ^ claim (own queued,      |
- *    |  | |                        |  | taken over by a lookup) |
- *    |  | | claim / repurpose      |  +------------------------>|
- *    |  | +----------------------------------------------------->|
- *    |  |             empty        |                            |
- *    |  +--------------------------+ (cancelled, retired,       |
- *    |                               closed, or room for a miss)|
- *    |          finish_load (failed or stopped)                 |
- *    +----------------------------------------------------------+
- *                                                               | finish_load (ok)
- *     RESIDENT <------------------------------------------------+
- *       | lease / unlease: leases up and down; unleased = evictable
- *       | demote: an unhit prefetch, to be evicted first
- *       +-- claim / repurpose (evicted: counted) --> QUEUED or READING
+ *                 repurpose (a prefetch)
+ *         +--------------------------------------> QUEUED
+ *         |    +------------ empty ------------------+  |
+ *         |    v                                        |  begin_read (a worker), or
+ *        EMPTY                                          |  claim (a lookup takes it over)
+ *         |    ^                                        v
+ *         |    +--- finish_load (failed or stopped) -- READING
+ *         |                                             ^    |
+ *         +------ claim / repurpose (a demand miss) ----+    |  finish_load (ok)
+ *                                                            v
+ *      An unleased RESIDENT slot is taken by claim        RESIDENT   lease, unlease,
+ *      and repurpose like an EMPTY one (an eviction).                demote
+ *
+ *   transition   from                              to
+ *   repurpose    EMPTY, or RESIDENT unleased       QUEUED (prefetch) or READING
+ *                (an eviction, counted)            (a demand miss), new generation
+ *   claim        its own QUEUED prefetch           READING (taken over), else as
+ *                                                  repurpose (victim or queued slot)
+ *   begin_read   QUEUED                            READING (a worker starts it)
+ *   finish_load  READING                           RESIDENT with n leases, or EMPTY
+ *   empty        QUEUED                            EMPTY (cancelled), new generation
+ *   lease        RESIDENT                          RESIDENT, one lease more (a hit)
+ *   unlease      RESIDENT leased                   RESIDENT, one lease fewer
+ *   demote       RESIDENT unleased, unhit prefetch RESIDENT, evicted first
  *
  * A slot is in its layer's evictable set iff it is EMPTY, or RESIDENT with
  * zero leases. The set is the policy's (ls_internal.h, the seam): "leased"
