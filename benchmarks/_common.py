@@ -1,7 +1,7 @@
 """Shared helpers of the benchmark scripts: timing, tables, goals, JSON.
 
 Every benchmark measures its baseline in the same run and reports ratios
-against it next to the absolute numbers. Goals (issue 6) are marked
+against it next to the absolute numbers. Goals (docs/performance.md) are marked
 ``met`` / ``MISSED``; nothing here asserts, a missed goal is a finding.
 """
 
@@ -137,19 +137,19 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], note
 
 
 class Goals:
-    """Issue-6 goals checked in one run: each is a measured value against a target."""
+    """Goals checked in one run: each is a measured value against a target."""
 
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
 
     def check(self, goal: str, value: float, target: str, met: bool, detail: str = "",
               info: bool = False) -> bool:
-        """Records one goal; ``info`` marks a context line that is not an issue-6 goal."""
+        """Records one goal; ``info`` marks a context line that is not a goal."""
         self.items.append({"goal": goal, "value": value, "target": target, "met": bool(met),
                            "detail": detail, "info": info})
         return bool(met)
 
-    def render(self, title: str = "issue-6 goals") -> str:
+    def render(self, title: str = "goals") -> str:
         rows = [
             (g["goal"], g["detail"] or f"{g['value']:.3g}", g["target"],
              ("(info) " if g.get("info") else "") + ("met" if g["met"] else "MISSED"))

@@ -9,7 +9,7 @@ slot per expert, warms it and times lookup+release pairs (median of
 ``reps`` interleaved repetitions). Baseline in the same run: an uncontended
 pthread mutex lock+unlock pair.
 
-Goals (issue 6): <= 100 ns per pair single-threaded; 2 threads on different
+Goals (docs/performance.md): <= 100 ns per pair single-threaded; 2 threads on different
 layers give >= 1.6x the throughput of one.
 
     python benchmarks/c_hit_path.py [--quick]
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     goals.check("2 threads, different layers >= 1.6x of 1", ratio2, ">= 1.6x", ratio2 >= 1.6,
                 f"{ratio2:.2f}x (best {ratio2_best:.2f}x; this machine's ceiling "
                 f"{r['machine_2t_ratio']:.2f}x)")
-    print(goals.render("issue-6 goals: C hit path"))
+    print(goals.render("goals: C hit path"))
     C.write_json("c_hit_path", {"result": r, "ratio_2t_1t": ratio2, "ratio_2t_1t_best": ratio2_best,
                                 "load_average": os.getloadavg(), "goals": goals.items})
     return 0

@@ -59,7 +59,7 @@ Reported per configuration: ms per token, its ratio to compute-only, the
 engine's compute time against the floor's (compute slows down while the
 disk works on this VM), I/O wait share (time inside ``lease_many`` /
 total), hit rate, prefetch hit rate, MB read per token and the speed-up
-against no prefetch. Acceptance targets (issue 3), checked at the end: cold,
+against no prefetch. Acceptance targets (docs/performance.md, "Goals"), checked at the end: cold,
 p=0.72: PILOT with 2 workers has at most 0.5x the I/O wait share of no
 prefetch, and the oracle is within 1.15x of compute-only.
 

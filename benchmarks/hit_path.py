@@ -24,7 +24,7 @@ against the alternatives a Python engine has, measured in the same run:
     memmap slice          three slices of a ``numpy.memmap`` of the shard
 
 Reported: median and p99 per call (timer overhead removed), ratios against
-the dict-LRU floor and against safe_open. Goals (issue 6): ``with
+the dict-LRU floor and against safe_open. Goals (docs/performance.md): ``with
 store.lease()`` hit <= 2x the dict floor; >= 20x faster than safe_open for
 an expert of >= 1 MiB.
 
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
             if r["profile"]:
                 print(f"cProfile of 20000 x (store.lease + touch), {name}:")
                 print(r["profile"])
-        print(goals.render("issue-6 goals: Python hit path"))
+        print(goals.render("goals: Python hit path"))
         out["goals"] = goals.items
         C.write_json("hit_path", out)
     finally:

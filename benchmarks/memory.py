@@ -12,7 +12,7 @@ Baseline in the same run: a subprocess that fills a Python dict with numpy
 arrays (``os.preadv`` into ``np.empty``) holding the same bytes as the
 store's slots, i.e. what a dict-LRU costs for the same cache.
 
-Goal (issue 6): overhead <= 5% of capacity_bytes + a fixed few MiB (8 MiB here).
+Goal (docs/performance.md): overhead <= 5% of capacity_bytes + a fixed few MiB (8 MiB here).
 
     python benchmarks/memory.py [--quick]
 """
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                       rows, note="(overhead = VmHWM - RSS before opening - capacity_bytes; over held = the same "
                                  "minus the bytes actually held (resident_bytes / bytes in the dict) instead)"))
         print()
-        print(goals.render("issue-6 goals: memory"))
+        print(goals.render("goals: memory"))
         C.write_json("memory", {"configs": results, "fixed_allowance_mib": FIXED_MIB, "goals": goals.items})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

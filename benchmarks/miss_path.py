@@ -24,7 +24,7 @@ before each pass; ``POSIX_FADV_DONTNEED`` on the file if that is refused):
 warm (file in the page cache): store w=0 misses and os.pread against numpy
 copy bandwidth of a 256 MiB buffer (memcpy).
 
-Goals (issue 6): cold store w=0 >= 0.9x os.pread; with prefetch workers
+Goals (docs/performance.md): cold store w=0 >= 0.9x os.pread; with prefetch workers
 >= 0.8x sequential.
 
     python benchmarks/miss_path.py [--quick]
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
             goals.check(f"  w={w} vs sequential", r, ">= 0.8x", r >= 0.8, f"{r:.2f}x", info=True)
         rw = warm["store w=0"] / mc
         goals.check("warm miss vs memcpy", rw, "(context)", True, f"{rw:.2f}x", info=True)
-        print(goals.render("issue-6 goals: miss path"))
+        print(goals.render("goals: miss path"))
         C.write_json("miss_path", {
             "model_bytes": fsize, "expert_bytes_total": ebytes, "experts": len(spans),
             "slots_per_layer": slots, "reps": reps,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs every benchmark of issue 6 in turn, each in a fresh interpreter,
+"""Runs every benchmark with a goal in docs/performance.md in turn, each in a fresh interpreter,
 prints their tables and a summary of the goals, and leaves one JSON file per
 benchmark in benchmarks/results/ (plus summary.json).
 
@@ -7,7 +7,7 @@ benchmark in benchmarks/results/ (plus summary.json).
     python benchmarks/run_all.py --quick    # CI-sized: about a minute
     python benchmarks/run_all.py hit_path scale   # a subset
 
-decode_sim.py (issue 3) is not part of this suite; run it on its own.
+decode_sim.py is not part of this suite; run it on its own.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             goals.append({"benchmark": name, **g})
             rows.append((name, g["goal"], g["detail"], g["target"], "met" if g["met"] else "MISSED"))
     print()
-    print(C.table("summary: issue-6 goals, this run", ("benchmark", "goal", "measured", "target", "status"), rows,
+    print(C.table("summary: goals, this run", ("benchmark", "goal", "measured", "target", "status"), rows,
                   note=f"{sum(g['met'] for g in goals)} of {len(goals)} met; "
                        + ", ".join(f"{n} {t:.0f} s" for n, t in timings.items())
                        + f"; total {total:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else "")))

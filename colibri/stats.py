@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StoreStats:
-    """A snapshot of the store's counters (meanings: SPEC section 3).
+    """A snapshot of the store's counters (exact meanings: docs/contract.md, "Stats").
 
     Without load failures ``requests == hits + misses``; always
     ``resident_bytes <= capacity_bytes`` and ``prefetch_hits <= prefetched``.

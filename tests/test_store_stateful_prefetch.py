@@ -6,7 +6,7 @@ then interleaves leases, lease_many, releases, prefetches, waits for idle,
 misuse (use after release, release twice, close while leased) and a final
 close. With asynchronous loads the exact hit/miss sequence is not
 deterministic, so the model tracks what must hold whatever the timing: which
-leases are held and their bytes, and the counter invariants of SPEC section 3.
+leases are held and their bytes, and the counter invariants of docs/contract.md ("Stats").
 """
 
 from __future__ import annotations
