@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from typing import Any, Iterable, Sequence, Union
+import os
+from typing import Any, Iterable, Literal, Sequence, Union
 
 import numpy as np
 
@@ -32,13 +33,18 @@ from colibri.layouts import ROLES, Layout, ModelExperts, scan_model
 from colibri.safetensors_reader import ModelSource
 from colibri.stats import StoreStats
 
-__all__ = ["open_store", "Store", "ExpertLease", "LeaseGroup", "DEFAULT_SLOTS_PER_LAYER"]
+__all__ = ["open_store", "Store", "ExpertLease", "LeaseGroup", "DEFAULT_SLOTS_PER_LAYER",
+           "AVAILABLE_MEMORY_ENV"]
 
 log = logging.getLogger("colibri")
 
 DEFAULT_SLOTS_PER_LAYER = 8
 _ERR_LEN: int = lib.COLI_ERR_LEN
 _INT_MAX = 2 ** (8 * ffi.sizeof("int") - 1) - 1  # keys are C ints
+
+#: Environment variable that replaces MemAvailable (bytes) in the rule of
+#: ``direct_io="auto"``: to see what the store would pick on a smaller machine.
+AVAILABLE_MEMORY_ENV = "COLIBRI_AVAILABLE_MEMORY"
 
 
 def _check(rc: int, err: Any) -> None:
@@ -107,6 +113,8 @@ class Store:
         prefetch_queue_depth: int = 0,
         demand_first: bool = True,
         prefetch_chunk_bytes: int = 0,
+        read_chunk_bytes: int = 0,
+        read_advice: bool = True,
     ) -> None:
         self.model = model
         self._closed = False
@@ -120,6 +128,8 @@ class Store:
             prefetch_queue_depth=prefetch_queue_depth,
             demand_first=demand_first,
             prefetch_chunk_bytes=prefetch_chunk_bytes,
+            read_chunk_bytes=read_chunk_bytes,
+            read_advice=read_advice,
         )
         self._ops = self._handle.ops
         # Arrays shared by the leases of one slot tenancy; about one cached
@@ -140,8 +150,14 @@ class Store:
         )
         self._lease = self._leaser.lease
         self.prefetch_workers = prefetch_workers
-        if direct_io and lib.coli_lru_direct_io_fallback(self._handle):
-            log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
+        self._direct = direct_io and not lib.coli_lru_direct_io_fallback(self._handle)
+
+    @property
+    def direct_io(self) -> bool:
+        """True when the store reads with O_DIRECT (past the page cache);
+        False when it reads through the page cache, by choice or because the
+        file system refused O_DIRECT."""
+        return self._direct
 
     # -- model facts --
 
@@ -365,6 +381,8 @@ def _create_handle(
     prefetch_queue_depth: int,
     demand_first: bool,
     prefetch_chunk_bytes: int,
+    read_chunk_bytes: int,
+    read_advice: bool,
 ) -> Any:
     keys = list(model.keys())
     sources = ffi.new("ColiExpertSource[]", len(keys))
@@ -389,11 +407,58 @@ def _create_handle(
     cfg.slot_wait_timeout_ns = _nanoseconds(slot_wait_timeout)
     cfg.prefetch_never_pauses = int(not demand_first)
     cfg.prefetch_chunk_bytes = prefetch_chunk_bytes
+    cfg.read_chunk_bytes = read_chunk_bytes
+    cfg.read_without_advice = int(not read_advice)
     out = ffi.new("ColiExpertStore **")
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)
     _check(rc, err)
     return ffi.gc(out[0], _destroy_handle)
+
+
+def _available_memory() -> int | None:
+    """Bytes the auto rule takes as available: the environment variable
+    AVAILABLE_MEMORY_ENV when set, else MemAvailable from /proc/meminfo;
+    None where neither says."""
+    raw = os.environ.get(AVAILABLE_MEMORY_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise FormatError(f"{AVAILABLE_MEMORY_ENV}={raw!r} is not a byte count >= 0")
+        return value
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _auto_direct_io(model: ModelExperts, slots_per_layer: int | None,
+                    capacity_bytes: int | None) -> tuple[bool, str]:
+    """The choice of ``direct_io="auto"`` and why: O_DIRECT when the routed
+    experts are larger than the memory left for the page cache once the
+    store holds its capacity (available memory minus the store's bytes)."""
+    experts = sum(model.expert_nbytes(l) * model.num_experts(l) for l in model.layers)
+    if capacity_bytes is not None:
+        store = capacity_bytes
+    else:
+        slots = slots_per_layer or DEFAULT_SLOTS_PER_LAYER
+        store = sum(min(slots, model.num_experts(l)) * model.expert_nbytes(l) for l in model.layers)
+    available = _available_memory()
+    if available is None:
+        return False, "available memory unknown (no MemAvailable): reading through the page cache"
+    left = available - store
+    direct = experts > left
+    return direct, (
+        f"routed experts {experts:,} B {'>' if direct else '<='} available memory {available:,} B "
+        f"minus the store's {store:,} B: {'O_DIRECT' if direct else 'reading through the page cache'}"
+    )
 
 
 def _count(value: Any, name: str, *, minimum: int) -> int:
@@ -411,11 +476,13 @@ def open_store(
     slots_per_layer: int | None = None,
     capacity_bytes: int | None = None,
     prefetch_workers: int = 2,
-    direct_io: bool = False,
+    direct_io: Union[bool, Literal["auto"]] = "auto",
     slot_wait_timeout: float | None = 5.0,
     prefetch_queue_depth: int = 0,
     demand_first: bool = True,
     prefetch_chunk_bytes: int = 0,
+    read_chunk_bytes: int = 0,
+    read_advice: bool = True,
 ) -> Store:
     """Open a model's routed experts as a leased, per-layer LRU cache.
 
@@ -432,6 +499,24 @@ def open_store(
     while a lookup reads a missing expert, so that a miss shares the disk
     with at most one chunk per worker; False lets them share it (for
     comparisons).
+
+    ``direct_io`` says how misses read the disk. ``"auto"`` (the default)
+    reads with O_DIRECT, past the page cache, when the model's routed
+    experts are larger than the memory the page cache could keep them in:
+    MemAvailable (or the environment variable ``COLIBRI_AVAILABLE_MEMORY``,
+    in bytes) minus the store's own capacity. Such a model cannot stay
+    cached, so the page cache would only copy every miss once more; a model
+    that fits keeps buffered reads, and its misses run at memory speed once
+    the files are cached (also across restarts). ``True`` and ``False``
+    force either mode. Where the file system refuses O_DIRECT (ramfs, tmpfs
+    before Linux 6.6, some FUSE and network file systems) the store reads
+    through the page cache without an error. ``store.direct_io`` tells which mode is in use.
+    Reads through the page cache go in preads of ``read_chunk_bytes``
+    (0: 256 KiB, rounded up to 4 KiB), with the kernel's readahead off for
+    the store's files and ``POSIX_FADV_WILLNEED`` over each expert before
+    its first chunk, so the copy of one chunk overlaps the disk's read of
+    the next; ``read_advice=False`` leaves out the advice (for comparisons).
+    O_DIRECT reads take one call per expert.
     """
     if slots_per_layer is not None and capacity_bytes is not None:
         raise FormatError("give slots_per_layer or capacity_bytes, not both")
@@ -444,16 +529,29 @@ def open_store(
     prefetch_workers = _count(prefetch_workers, "prefetch_workers", minimum=0)
     prefetch_queue_depth = _count(prefetch_queue_depth, "prefetch_queue_depth", minimum=0)
     prefetch_chunk_bytes = _count(prefetch_chunk_bytes, "prefetch_chunk_bytes", minimum=0)
+    read_chunk_bytes = _count(read_chunk_bytes, "read_chunk_bytes", minimum=0)
+    if direct_io != "auto" and not isinstance(direct_io, bool):
+        raise FormatError(f'direct_io must be True, False or "auto", not {direct_io!r}')
     _nanoseconds(slot_wait_timeout)  # refuse a bad timeout before reading any file
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
-    return Store(
+    if direct_io == "auto":
+        direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
+        log.info("direct_io=auto: %s", why)
+    else:
+        direct = direct_io
+    store = Store(
         model,
         slots_per_layer=slots_per_layer,
         capacity_bytes=capacity_bytes,
         prefetch_workers=prefetch_workers,
-        direct_io=direct_io,
+        direct_io=direct,
         slot_wait_timeout=slot_wait_timeout,
         prefetch_queue_depth=prefetch_queue_depth,
         demand_first=bool(demand_first),
         prefetch_chunk_bytes=min(prefetch_chunk_bytes, 1 << 40),
+        read_chunk_bytes=min(read_chunk_bytes, 1 << 40),
+        read_advice=bool(read_advice),
     )
+    if direct_io is True and not store.direct_io:
+        log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
+    return store

@@ -76,7 +76,19 @@ int coli_files_open(ColiFileSet *files, const char *const *paths, int n,
         }
         files->sizes[i] = (uint64_t)st.st_size;
     }
+    files->direct = direct && !files->direct_fallback;
     return COLI_OK;
+}
+
+void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise) {
+    if (read_chunk > (1ull << 40)) read_chunk = 1ull << 40;   /* no overflow rounding up */
+    /* A multiple of the O_DIRECT alignment, so that a file opened with
+     * O_DIRECT beside refusing ones still gets aligned preads. */
+    files->read_chunk = round_up(read_chunk, COLI_IO_ALIGN);
+    files->willneed = advise && !files->direct;
+    if (!files->willneed) return;
+    for (int i = 0; i < files->n; i++)   /* advice is a hint: a refusal changes nothing */
+        if (files->fds[i] >= 0) (void)posix_fadvise(files->fds[i], 0, 0, POSIX_FADV_RANDOM);
 }
 
 /* Bytes a tensor of this format and shape occupies; 0 for an unknown format. */
@@ -221,22 +233,41 @@ static bool fault_fires(ColiFaultHook *fault) {
     return false;
 }
 
+/* Tells the kernel that bytes [from, from + len) of run rr (clipped to the
+ * run) are wanted now: it starts their reads without waiting for them. */
+static void advise_willneed(int fd, const ColiReadRun *rr, uint64_t from, uint64_t len) {
+    if (len > rr->length - from) len = rr->length - from;
+    (void)posix_fadvise(fd, (off_t)(rr->file_offset + from), (off_t)len, POSIX_FADV_WILLNEED);
+}
+
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                      unsigned char *slot, ColiFaultHook *fault,
                      const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len) {
     *bytes_read = 0;
+    /* O_DIRECT reads go in one call: the block layer splits it and keeps
+     * the pieces in flight together. Buffered ones go in chunks, so that the
+     * copy of one overlaps the disk's read of the next. */
+    uint64_t chunk = files->direct ? 0 : files->read_chunk;
     for (int i = 0; i < plan->n_runs; i++) {
         const ColiReadRun *rr = &plan->runs[i];
         int fd = files->fds[rr->file];
-        uint64_t done = 0;
+        uint64_t done = 0, pause_at = 0;
+        if (files->willneed && !pacer) advise_willneed(fd, rr, 0, rr->length);
         while (done < rr->length) {
             ssize_t got;
             uint64_t want = rr->length - done;
             if (pacer) {
-                if (!pacer->pause(pacer->ctx)) return COLI_READ_STOPPED;
-                if (want > pacer->chunk) want = pacer->chunk;
+                if (done >= pause_at) {
+                    if (!pacer->pause(pacer->ctx)) return COLI_READ_STOPPED;
+                    pause_at = done + pacer->chunk;
+                    /* Ask for this pacer chunk only: a paced read keeps at
+                     * most one chunk ahead of a demand read on the disk. */
+                    if (files->willneed) advise_willneed(fd, rr, done, pacer->chunk);
+                }
+                if (want > pause_at - done) want = pause_at - done;
             }
+            if (chunk && want > chunk) want = chunk;
             if (fault_fires(fault)) {
                 errno = atomic_load(&fault->errno_value);
                 got = -1;

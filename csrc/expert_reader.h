@@ -48,6 +48,10 @@ typedef struct {
     char **paths;
     uint64_t *sizes;
     bool direct_fallback;         /* O_DIRECT was asked for and refused */
+    bool direct;                  /* every file is open with O_DIRECT */
+    /* How buffered reads (no O_DIRECT) go; coli_files_tune sets them. */
+    uint64_t read_chunk;          /* bytes per pread; 0: one pread per run */
+    bool willneed;                /* POSIX_FADV_WILLNEED over a run before reading it */
 } ColiFileSet;
 
 /* Test hook state: the nth read from now fails with errno_value. */
@@ -60,6 +64,13 @@ typedef struct {
  * cache where the file system refuses it). On failure nothing stays open. */
 int coli_files_open(ColiFileSet *files, const char *const *paths, int n,
                     bool direct, char *err, size_t err_len);
+/* How buffered reads go (O_DIRECT reads always take one pread per run):
+ * in preads of read_chunk bytes (0: one per run), and, when advise is set,
+ * with the files' readahead off (POSIX_FADV_RANDOM: a miss reads its own
+ * bytes, not the neighbours') and POSIX_FADV_WILLNEED over each run before
+ * its first pread, so the disk fetches the rest of the run while the first
+ * chunks are copied. Advice the file system refuses is ignored. */
+void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise);
 /* Closes and frees; safe on a zeroed or half-opened set. */
 void coli_files_close(ColiFileSet *files);
 
@@ -84,8 +95,9 @@ typedef struct {
 
 #define COLI_READ_STOPPED 1       /* coli_read_expert: the pacer stopped the read */
 
-/* Reads every run of plan into slot memory, paced when pacer is not NULL
- * (else one pread per run). Returns COLI_OK, a negative COLI_E* code, or
+/* Reads every run of plan into slot memory: buffered runs as coli_files_tune
+ * says, O_DIRECT runs in one pread each; a pacer, when not NULL, also splits
+ * the run into its chunks and is asked before each. Returns COLI_OK, a negative COLI_E* code, or
  * COLI_READ_STOPPED. *bytes_read gets the bytes that arrived, also on
  * failure. A failure names file, offset and errno. */
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,

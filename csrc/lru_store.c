@@ -275,6 +275,9 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
     int rc = init_gate(s, err, n);
     if (rc == COLI_OK) rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
+    if (rc == COLI_OK)
+        coli_files_tune(&s->files, cfg->read_chunk_bytes ? cfg->read_chunk_bytes : COLI_DEFAULT_READ_CHUNK,
+                        cfg->read_without_advice == 0);
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
     if (rc == COLI_OK)

@@ -84,7 +84,16 @@ typedef struct {
                                      * instead of pausing for them (for comparisons) */
     uint64_t prefetch_chunk_bytes;  /* prefetch reads go in chunks of this size, rounded up to
                                      * 4 KiB, at least 64 KiB; 0 = 1 MiB */
+    /* Reads through the page cache (no O_DIRECT) go in preads of this many
+     * bytes, rounded up to 4 KiB; 0 = COLI_DEFAULT_READ_CHUNK. A size past
+     * an expert's bytes reads each run in one call. O_DIRECT reads always
+     * take one call per run. */
+    uint64_t read_chunk_bytes;
+    int read_without_advice;        /* nonzero: buffered reads leave the kernel's readahead on
+                                     * and give no POSIX_FADV_WILLNEED (for comparisons) */
 } ColiLruConfig;
+
+#define COLI_DEFAULT_READ_CHUNK (256u << 10)
 
 /* Validates config, opens its files and allocates every slot. On success
  * *out is a store owned by the caller (free it with its destroy op) and 0 is
