@@ -1,0 +1,471 @@
+"""Run a transformers MoE model with its routed experts streamed by colibri.
+
+    import colibri.hf
+    model = colibri.hf.from_pretrained("path/to/model", slots_per_layer=8)
+    out = model.generate(**tokenizer("Hello", return_tensors="pt"), max_new_tokens=32)
+    model.colibri_close()            # or: with colibri.hf.store_of(model): ...
+
+:func:`from_pretrained` returns the ordinary ``PreTrainedModel`` that
+``AutoModelForCausalLM.from_pretrained`` returns for the checkpoint, built by
+transformers itself, with two of transformers' own extension points:
+
+* a loading hook registered as a quantization method (``quant_method =
+  "colibri"``, through ``register_quantizer`` / ``register_quantization_config``)
+  that, on the meta-device skeleton and before any weight is read, removes the
+  routed experts' fused parameters (``gate_up_proj``, ``down_proj``). transformers
+  then loads every other tensor as usual and skips the experts' tensors as keys
+  the model does not have, so no routed expert is ever read or allocated at load;
+* an experts implementation registered in ``ExpertsInterface`` under
+  ``"colibri"`` and selected with ``experts_implementation="colibri"``. Each MoE
+  block's router stays the model's own; its experts module calls colibri's
+  forward, which leases the union of the experts the batch chose
+  (``Store.lease_many``), in groups that fit the layer's slots, computes them
+  and releases them before returning.
+
+PILOT: while MoE layer L runs, the next MoE layer's own router module is
+applied to layer L's router input and the experts it names are prefetched,
+right after layer L's own experts are leased. Its precision and recall are
+those of :class:`colibri.Pilot` (``colibri.hf.runtime_of(model).pilot.report()``).
+
+Supported: transformers 5.x with the experts interface (tested on 5.24), and
+the architectures in :data:`SUPPORTED_MODEL_TYPES`. See docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from colibri.errors import ColibriError, FormatError
+from colibri.fp8 import dequantize
+from colibri.pilot import Pilot
+from colibri.store import Store, open_store
+from colibri.torch_interop import as_torch
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "LayerProgress",
+    "Runtime",
+    "from_pretrained",
+    "store_of",
+    "runtime_of",
+]
+
+#: config.json ``model_type`` values colibri.hf runs, and the transformers class of each.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+}
+
+#: The transformers versions colibri.hf supports (the experts interface and fused experts of 5.x).
+SUPPORTED_TRANSFORMERS = ">=5.24,<6"
+
+IMPLEMENTATION = "colibri"
+_EXPERTS_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias",
+                  "gate_up_proj_scale_inv", "down_proj_scale_inv")
+_SKIPPED_KEYS = r"(^|\.)layers\.\d+\.mlp\.experts\.(\d+\.)?(gate_up_proj|down_proj|gate_proj|up_proj|w1|w2|w3)"
+_PREFETCH_CHOICES = ("pilot", "off", None)
+
+
+class UnsupportedModelError(FormatError):
+    """The checkpoint is not a MoE architecture colibri.hf runs (or transformers is too old)."""
+
+
+def _supported_list() -> str:
+    return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise UnsupportedModelError(
+            "colibri.hf needs torch and transformers: pip install 'colibri[hf]'") from exc
+    major = int(transformers.__version__.split(".")[0])
+    try:
+        import transformers.integrations.moe as moe_integration
+    except ImportError:
+        moe_integration = None  # type: ignore[assignment]
+    if major < 5 or not hasattr(moe_integration, "ExpertsInterface"):
+        raise UnsupportedModelError(
+            f"colibri.hf needs transformers {SUPPORTED_TRANSFORMERS} (its experts interface); "
+            f"found {transformers.__version__}")
+    return transformers
+
+
+@dataclass(frozen=True)
+class LayerProgress:
+    """One MoE layer of one forward pass, as :attr:`Runtime.progress` sees it.
+
+    ``position`` counts MoE layers from 0 to ``layers - 1`` within a forward;
+    ``tokens`` is how many token rows the layer routed, ``experts`` the size
+    of their union and ``groups`` how many slot-sized lease groups it took.
+    """
+
+    layer: int
+    position: int
+    layers: int
+    tokens: int
+    experts: int
+    groups: int
+
+
+class _RouterPilot(Pilot):
+    """A :class:`Pilot` that predicts with the model's own router modules
+    (softmax top-k, or sigmoid with bias and expert groups), so the
+    prediction is exactly what layer L+1 would choose for layer L's input."""
+
+    def __init__(self, store: Store, gates: dict[int, Any], top_k: dict[int, int]) -> None:
+        routers = {layer: gate.weight.detach().float().cpu().numpy() for layer, gate in gates.items()}
+        super().__init__(store, routers, top_k=max(top_k.values()), extra=0)
+        self._gates = gates
+
+    def predict(self, layer: int, hidden: Any) -> tuple[int, ...]:
+        gate = self._gates.get(operator.index(layer))
+        if gate is None or hidden.shape[0] == 0:
+            return ()
+        import torch
+
+        with torch.no_grad():
+            _, _, index = gate(hidden)
+        chosen, votes = torch.unique(index, return_counts=True)
+        order = torch.argsort(votes, descending=True, stable=True)
+        return tuple(int(e) for e in chosen[order].tolist())
+
+
+class Runtime:
+    """What :func:`from_pretrained` attached to a model: the store, the
+    PILOT (None when prefetch is off), and hooks for progress and routing
+    traces. Reach it with :func:`runtime_of`."""
+
+    def __init__(self, store: Store, pilot: _RouterPilot | None, moe_layers: tuple[int, ...]) -> None:
+        self.store = store
+        self.pilot = pilot
+        self.moe_layers = moe_layers
+        self._position = {layer: i for i, layer in enumerate(moe_layers)}
+        #: Called after each MoE layer with a :class:`LayerProgress` (e.g. a prefill progress bar).
+        self.progress: Callable[[LayerProgress], None] | None = None
+        #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
+        self.routing: Callable[[int, np.ndarray, np.ndarray], None] | None = None
+        self._predicted: dict[int, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the store (idempotent). The model cannot run its MoE layers afterwards."""
+        self.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.store.closed
+
+    # -- the experts forward --
+
+    def _order(self, layer: int, union: list[int]) -> list[int]:
+        # Experts PILOT predicted for this layer first: they are the likeliest
+        # to be resident, so they are used before later groups evict anything.
+        predicted = self._predicted.pop(layer, ())
+        if not predicted:
+            return union
+        wanted = set(union)
+        first = [e for e in predicted if e in wanted]
+        rest = [e for e in union if e not in set(first)]
+        return first + rest
+
+    def experts_forward(self, module: Any, layer: int, hidden_states: Any, top_k_index: Any,
+                        top_k_weights: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        store = self.store
+        if store.closed:
+            raise ColibriError(f"layer {layer}: the model's colibri store is closed "
+                               "(colibri_close() was called)")
+        tokens, k = top_k_index.shape
+        hidden_dim = hidden_states.shape[-1]
+        if self.routing is not None:
+            self.routing(layer, top_k_index.detach().cpu().numpy().astype(np.int64),
+                         top_k_weights.detach().float().cpu().numpy())
+        union = sorted(int(e) for e in torch.unique(top_k_index).tolist())
+        pilot = self.pilot
+        if pilot is not None:
+            pilot.observe(layer, union)
+        order = self._order(layer, union)
+        slots = store.slots(layer)
+        groups = [order[i:i + slots] for i in range(0, len(order), slots)]
+        out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+        out = torch.zeros(tokens, k, hidden_dim, dtype=out_dtype, device=hidden_states.device)
+        act = module.act_fn
+        compute_dtype = hidden_states.dtype
+        for g, group in enumerate(groups):
+            with store.lease_many(layer, group) as leased:
+                if g == 0 and pilot is not None:
+                    nxt = pilot.next_layer(layer)
+                    if nxt is not None:
+                        predicted = pilot.predict_next(layer, hidden_states)
+                        self._predicted[nxt] = predicted
+                for ex in leased:
+                    e = ex.key[1]
+                    token_idx, pos = torch.where(top_k_index == e)
+                    if token_idx.numel() == 0:
+                        continue
+                    gate, up, down = (_weight(ex, role, compute_dtype) for role in ("gate", "up", "down"))
+                    x = hidden_states[token_idx]
+                    h = act(F.linear(x, gate)) * F.linear(x, up)
+                    y = F.linear(h, down)
+                    out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
+                    del gate, up, down
+        if self.progress is not None:
+            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
+                                        tokens, len(union), len(groups)))
+        return out.sum(dim=1).to(hidden_states.dtype)
+
+
+def _weight(ex: Any, role: str, dtype: Any) -> Any:
+    """A leased role as a torch tensor of ``dtype``: shared when the file
+    already has that dtype, otherwise converted (FP8 dequantized by its
+    block scales) into a fresh tensor that lives only for this expert."""
+    weight = getattr(ex, role)
+    scale = getattr(ex, f"{role}_scale", None)
+    if scale is not None:
+        return as_torch(dequantize(weight, scale, block=None)).to(dtype)
+    t = as_torch(weight)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _colibri_experts_forward(self: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+    """The ``"colibri"`` entry of transformers' ``ExpertsInterface``."""
+    binding = getattr(self, "colibri_binding", None)
+    if binding is None:
+        raise ColibriError(
+            "experts_implementation='colibri' needs a model made by colibri.hf.from_pretrained")
+    runtime, layer = binding
+    return runtime.experts_forward(self, layer, hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_modules(model: Any) -> dict[int, Any]:
+    found: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        m = _EXPERTS_PATH.search(name)
+        if m is not None and hasattr(module, "act_fn"):
+            found[int(m.group(1))] = module
+    return found
+
+
+# -- registration with transformers (once per process) --
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def _register() -> tuple[Any, Any]:
+    """Register the experts implementation and the loading hook; return the
+    loading config class and the quantizer class."""
+    global _registered
+    transformers = _transformers()
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+        register_quantization_config,
+        register_quantizer,
+    )
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    del transformers
+    with _register_lock:
+        if not _registered:
+            ExpertsInterface.register(IMPLEMENTATION, _colibri_experts_forward)
+
+            class ColibriLoadConfig(QuantizationConfigMixin):
+                """Marks a load by colibri.hf: routed experts stay in the store."""
+
+                def __init__(self, **kwargs: Any) -> None:
+                    self.quant_method = IMPLEMENTATION  # type: ignore[assignment]
+
+                def to_dict(self) -> dict[str, Any]:
+                    return {"quant_method": IMPLEMENTATION}
+
+            class ColibriLoader(HfQuantizer):
+                """Removes the routed experts' parameters from the meta skeleton
+                before transformers reads any weight, so their tensors are never
+                loaded; everything else loads as transformers loads it."""
+
+                requires_calibration = False
+
+                def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+                    for module in _experts_modules(model).values():
+                        for name in _EXPERT_PARAMS:
+                            if name in module._parameters:
+                                del module._parameters[name]
+                        # Nothing left for transformers' weight init to fill in.
+                        module._is_hf_initialized = True
+                    # The checkpoint's expert tensors are skipped on purpose: no warning.
+                    ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+                    ignored.add(_SKIPPED_KEYS)
+                    model._keys_to_ignore_on_load_unexpected = ignored
+                    return model
+
+                def is_serializable(self) -> bool:
+                    return False
+
+                @property
+                def is_trainable(self) -> bool:
+                    return False
+
+            if IMPLEMENTATION not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+                register_quantization_config(IMPLEMENTATION)(ColibriLoadConfig)
+            if IMPLEMENTATION not in AUTO_QUANTIZER_MAPPING:
+                register_quantizer(IMPLEMENTATION)(ColibriLoader)
+            _registered = True
+    return AUTO_QUANTIZATION_CONFIG_MAPPING[IMPLEMENTATION], AUTO_QUANTIZER_MAPPING[IMPLEMENTATION]
+
+
+# -- the public entry points --
+
+def _read_config(path: str) -> dict[str, Any]:
+    if not os.path.isdir(path):
+        raise UnsupportedModelError(f"{path}: not a model directory")
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise UnsupportedModelError(f"{path}: no config.json, not a transformers checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModelError(f"{cfg_path}: unreadable ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"{cfg_path}: not a JSON object")
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: model_type {model_type!r} is not a MoE architecture colibri.hf runs; "
+            f"supported: {_supported_list()}")
+    return cfg
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    *,
+    capacity_bytes: int | None = None,
+    slots_per_layer: int | None = None,
+    prefetch: str | None = "pilot",
+    prefetch_workers: int = 2,
+    direct_io: bool | None = None,
+    torch_dtype: Any = None,
+    **store_options: Any,
+) -> Any:
+    """The transformers model of the checkpoint at ``path`` with its routed
+    experts served by a colibri store.
+
+    ``capacity_bytes`` / ``slots_per_layer`` are the store's budget (at most
+    one; neither: the store's default), ``prefetch="pilot"`` turns PILOT on,
+    ``"off"`` or None off (no I/O workers are started then unless
+    ``prefetch_workers`` asks), ``direct_io`` reads with O_DIRECT,
+    ``torch_dtype`` is transformers' ``dtype`` (None: what
+    ``AutoModelForCausalLM.from_pretrained`` picks). Other keywords go to
+    :func:`colibri.open_store`.
+
+    Everything is checked and the store opened before transformers loads a
+    weight; on any error nothing is left open. Close the store with
+    ``model.colibri_close()`` or ``with colibri.hf.store_of(model): ...``.
+    """
+    path = os.fspath(path)
+    if prefetch not in _PREFETCH_CHOICES:
+        raise FormatError(f"prefetch must be 'pilot', 'off' or None, not {prefetch!r}")
+    pilot_on = prefetch == "pilot"
+    if "layout" in store_options:
+        raise FormatError("colibri.hf chooses the layout from the checkpoint; do not pass layout")
+    cfg = _read_config(path)
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") not in (None, "fp8"):
+        raise UnsupportedModelError(
+            f"{path}: quantization {quant.get('quant_method')!r} is not supported "
+            "(colibri.hf runs float and block-scaled FP8 checkpoints)")
+    config_cls, _ = _register()
+    import torch
+    import transformers
+
+    options: dict[str, Any] = dict(store_options)
+    if capacity_bytes is not None:
+        options["capacity_bytes"] = capacity_bytes
+    if slots_per_layer is not None:
+        options["slots_per_layer"] = slots_per_layer
+    if direct_io is not None:
+        options["direct_io"] = direct_io
+    options["prefetch_workers"] = prefetch_workers
+    store = open_store(path, **options)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        if getattr(config, "quantization_config", None) is not None:
+            raise UnsupportedModelError(
+                f"{path}: FP8-quantized checkpoints load only their experts through colibri; "
+                "the rest of the model must be float")
+        kwargs: dict[str, Any] = {"config": config, "experts_implementation": IMPLEMENTATION,
+                                  "quantization_config": config_cls()}
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        model_cls = getattr(transformers, SUPPORTED_MODEL_TYPES[config.model_type])
+        model = model_cls.from_pretrained(path, **kwargs)
+        experts = _experts_modules(model)
+        moe_layers = tuple(sorted(experts))
+        if moe_layers != store.layers:
+            raise FormatError(
+                f"{path}: the model's MoE layers {list(moe_layers)} differ from the layers "
+                f"with routed experts in the checkpoint {list(store.layers)}")
+        for layer, module in experts.items():
+            n = int(getattr(module, "num_experts"))
+            if n != store.num_experts(layer):
+                raise FormatError(f"{path}: layer {layer} has {store.num_experts(layer)} experts "
+                                  f"in the checkpoint but {n} in config.json")
+        pilot = None
+        if pilot_on:
+            gates = {layer: module_parent_gate(model, layer) for layer in moe_layers}
+            top_k = {layer: int(g.top_k) for layer, g in gates.items()}
+            pilot = _RouterPilot(store, gates, top_k)
+        runtime = Runtime(store, pilot, moe_layers)
+        for layer, module in experts.items():
+            module.colibri_binding = (runtime, layer)
+        model.colibri = runtime
+        model.colibri_close = runtime.close
+        del torch
+        return model
+    except BaseException:
+        store.close()
+        raise
+
+
+def module_parent_gate(model: Any, layer: int) -> Any:
+    """The router module of MoE layer ``layer`` (``layers[layer].mlp.gate``)."""
+    for name, module in model.named_modules():
+        if name.endswith(f"layers.{layer}.mlp.gate") and hasattr(module, "weight"):
+            return module
+    raise FormatError(f"layer {layer}: no router module at layers.{layer}.mlp.gate")
+
+
+def runtime_of(model: Any) -> Runtime:
+    """The :class:`Runtime` that :func:`from_pretrained` attached to ``model``."""
+    runtime = getattr(model, "colibri", None)
+    if not isinstance(runtime, Runtime):
+        raise ColibriError("this model was not made by colibri.hf.from_pretrained")
+    return runtime
+
+
+def store_of(model: Any) -> Store:
+    """The :class:`colibri.Store` serving ``model``'s routed experts (stats,
+    ``close()``; usable as a context manager that closes it)."""
+    return runtime_of(model).store
