@@ -41,6 +41,7 @@ log = logging.getLogger("colibri")
 DEFAULT_SLOTS_PER_LAYER = 8
 _ERR_LEN: int = lib.COLI_ERR_LEN
 _INT_MAX = 2 ** (8 * ffi.sizeof("int") - 1) - 1  # keys are C ints
+_U64_MAX = 2 ** (8 * ffi.sizeof("uint64_t")) - 1  # byte settings are uint64_t; C caps them further
 
 #: Environment variable that replaces MemAvailable (bytes) in the rule of
 #: ``direct_io="auto"``: to see what the store would pick on a smaller machine.
@@ -548,8 +549,8 @@ def open_store(
         slot_wait_timeout=slot_wait_timeout,
         prefetch_queue_depth=prefetch_queue_depth,
         demand_first=bool(demand_first),
-        prefetch_chunk_bytes=min(prefetch_chunk_bytes, 1 << 40),
-        read_chunk_bytes=min(read_chunk_bytes, 1 << 40),
+        prefetch_chunk_bytes=min(prefetch_chunk_bytes, _U64_MAX),
+        read_chunk_bytes=min(read_chunk_bytes, _U64_MAX),
         read_advice=bool(read_advice),
     )
     if direct_io is True and not store.direct_io:

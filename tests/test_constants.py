@@ -87,6 +87,18 @@ def test_stats_fields_follow_the_c_struct() -> None:
 def test_limits_are_the_librarys() -> None:
     assert store._ERR_LEN == lib.COLI_ERR_LEN > 0
     assert store._INT_MAX == 2 ** (8 * ffi.sizeof("int") - 1) - 1
+    assert store._U64_MAX == 2 ** (8 * ffi.sizeof("uint64_t")) - 1
+    for field in ("prefetch_chunk_bytes", "read_chunk_bytes"):
+        assert dict(ffi.typeof("ColiLruConfig").fields)[field].type.cname == "uint64_t", field
     key = ffi.typeof("ColiExpertKey")
     assert [(n, f.type.cname) for n, f in key.fields] == [("layer", "int"), ("expert", "int")]
 
+
+
+def test_byte_settings_beyond_uint64_are_capped_not_refused(small_model) -> None:
+    big = 2 ** 70
+    with colibri.open_store(small_model.path, slots_per_layer=2, prefetch_chunk_bytes=big,
+                            read_chunk_bytes=big, direct_io=False) as s:
+        layer = s.layers[0]
+        with s.lease(layer, 0) as ex:
+            assert ex.gate.nbytes > 0
