@@ -531,9 +531,11 @@ def detect_layout(names: Mapping[str, object] | list[str],
     beside the files says ``model_type`` gpt_oss; otherwise they are
     transformers' own stacking (concatenated).
     """
+    # A pack-quantized weight W is stored as W_packed.
+    weights = [name[: -len("_packed")] if name.endswith(".weight_packed") else name for name in names]
     hits: list[AnyLayout] = [
         layout for layout in BUILTIN_LAYOUTS.values()
-        if any(layout.match(name) is not None for name in names)
+        if any(layout.match(name) is not None for name in weights)
     ]
     stacked = [layout for layout in STACKED_LAYOUTS.values()
                if any(layout.match(name) is not None for name in names)]
@@ -892,10 +894,13 @@ def _stacked_layer(layer: int, roles: dict[str, dict[str, TensorInfo]],
     elif first[1] == k * down[0] and first[0] == down[1]:
         transposed, inter, hidden = True, down[0], down[1]
     else:
+        names = {r: next(iter(roles[r].values())).name.rsplit("_", 1)[0]
+                 if "" not in roles[r] else roles[r][""].name for r in (data_roles[0], "down")}
         raise FormatError(
-            f"{where}: {data_roles[0]} {list(first)} and down {list(down)} per expert fit "
-            + ("gate_up (2I, H) and down (H, I), or gate_up (H, 2I) and down (I, H)" if fused
-               else "gate (I, H) and down (H, I), or gate (H, I) and down (I, H)"))
+            f"{where}: {data_roles[0]} {names[data_roles[0]]!r} {list(first)} and down "
+            f"{names['down']!r} {list(down)} per expert fit neither "
+            + ("gate_up (2I, H) and down (H, I) nor gate_up (H, 2I) and down (I, H)" if fused
+               else "gate (I, H) and down (H, I) nor gate (H, I) and down (I, H)"))
     if scheme == MXFP4 and transposed:
         raise FormatError(f"{where}: MXFP4 experts must be stored (out, in)")
     bias_len = {"gate_up": 2 * inter, "gate": inter, "up": inter, "down": hidden}
