@@ -18,7 +18,8 @@ from colibri.errors import (
     UnknownExpertError,
     WaitTimeoutError,
 )
-from colibri.layouts import Layout
+from colibri.dequant import dequantize
+from colibri.layouts import Layout, StackedLayout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import ExpertLease, LeaseGroup, Store, open_store
@@ -33,6 +34,8 @@ __all__ = [
     "LeaseGroup",
     "StoreStats",
     "Layout",
+    "StackedLayout",
+    "dequantize",
     "Pilot",
     "PilotReport",
     "Trace",

@@ -23,12 +23,18 @@ __all__ = [
     "SCALE_DTYPE",
     "COLI_TENSOR_F32",
     "COLI_TENSOR_FP8_E4M3_BLOCK",
+    "COLI_TENSOR_FP4_NATIVE_BLOCK",
+    "COLI_TENSOR_INT4_BLOCK",
     "COLI_TENSOR_F16",
     "COLI_TENSOR_BF16",
     "COLI_TENSOR_F8_E4M3",
     "COLI_TENSOR_F8_E5M2",
     "COLI_SCALE_NONE",
     "COLI_SCALE_F32",
+    "COLI_SCALE_UE8M0",
+    "COLI_SCALE_BF16",
+    "COLI_SCALE_F16",
+    "coli_scale_format",
     "lookup",
     "coli_format",
 ]
@@ -37,12 +43,20 @@ __all__ = [
 # compiled library so that they cannot drift from it.
 COLI_TENSOR_F32: int = lib.COLI_TENSOR_F32
 COLI_TENSOR_FP8_E4M3_BLOCK: int = lib.COLI_TENSOR_FP8_E4M3_BLOCK
+COLI_TENSOR_FP4_NATIVE_BLOCK: int = lib.COLI_TENSOR_FP4_NATIVE_BLOCK  # MXFP4
+COLI_TENSOR_INT4_BLOCK: int = lib.COLI_TENSOR_INT4_BLOCK  # pack-quantized int4
 COLI_TENSOR_F16: int = lib.COLI_TENSOR_F16
 COLI_TENSOR_BF16: int = lib.COLI_TENSOR_BF16
 COLI_TENSOR_F8_E4M3: int = lib.COLI_TENSOR_F8_E4M3
 COLI_TENSOR_F8_E5M2: int = lib.COLI_TENSOR_F8_E5M2
 COLI_SCALE_NONE: int = lib.COLI_SCALE_NONE
 COLI_SCALE_F32: int = lib.COLI_SCALE_F32
+COLI_SCALE_UE8M0: int = lib.COLI_SCALE_UE8M0
+COLI_SCALE_BF16: int = lib.COLI_SCALE_BF16
+COLI_SCALE_F16: int = lib.COLI_SCALE_F16
+
+_SCALE_FORMATS = {"F32": COLI_SCALE_F32, "U8": COLI_SCALE_UE8M0, "F8_E8M0": COLI_SCALE_UE8M0,
+                  "BF16": COLI_SCALE_BF16, "F16": COLI_SCALE_F16}
 
 
 @dataclass(frozen=True)
@@ -126,3 +140,12 @@ def coli_format(name: str, scaled: bool) -> int:
             raise ValueError(f"dtype {name} cannot carry block scales (only F8_E4M3)")
         return COLI_TENSOR_FP8_E4M3_BLOCK
     return dtype.coli_format
+
+
+def coli_scale_format(name: str) -> int:
+    """``ColiScaleFormat`` for scales of safetensors dtype ``name`` (U8 and
+    F8_E8M0 are e8m0 exponents). Raises ValueError for any other dtype."""
+    found = _SCALE_FORMATS.get(name)
+    if found is None:
+        raise ValueError(f"dtype {name} cannot hold scales")
+    return found

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class _Owner:
         self.pin = pin
 
 
-def _read_only_array(address: int, shape: tuple[int, int], dtype: np.dtype, pin: _Pin,
+def _read_only_array(address: int, shape: tuple[int, ...], dtype: np.dtype, pin: _Pin,
                      chain: list[Any]) -> np.ndarray:
     """A read-only array of dtype at address; every object of its base chain
     is appended to chain. The read-only flag cannot be turned back on, as
@@ -71,28 +71,42 @@ def _read_only_array(address: int, shape: tuple[int, int], dtype: np.dtype, pin:
     return arr
 
 
-Parts = tuple[tuple[np.dtype, tuple[int, int]] | None, ...]
+Parts = tuple[tuple[np.dtype, tuple[int, ...]] | None, ...]
+Locate = Callable[[int, int], tuple[int, ...]]
 
 
 class TenancyBuilder:
     """Builds the arrays of a slot tenancy the first time a lease asks for
     one (called from C: colibri._lease.Tenancies)."""
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_parts", "_locate")
 
-    def __init__(self, parts: dict[int, Parts]) -> None:
-        self._parts = parts  # per layer: (dtype, shape) of each array, in coli_view_layout's order
+    def __init__(self, parts: dict[int, Parts], locate: Locate | None = None) -> None:
+        # per layer: (dtype, shape) of each array, in coli_lru_expert_parts's order
+        self._parts = parts
+        # (layer, expert) -> slot offset of each part; needed for extra parts,
+        # which coli_view_layout does not cover
+        self._locate = locate
 
     def build(self, lease: LeaseBase) -> Tenancy:
         base, _span, *offsets = lease._layout()
+        parts = self._parts[lease.layer]
+        if len(parts) > len(offsets):
+            assert self._locate is not None
+            in_slot = self._locate(lease.layer, lease.expert)
+            anchor = 0 if parts[0] is not None else 2  # gate (or gate_up) is always present
+            start = base + offsets[anchor] - in_slot[anchor]
+            addresses = [start + o for o in in_slot]
+        else:
+            addresses = [base + o for o in offsets]
         pin = _Pin()
         chain: list[Any] = []
         listed: list[np.ndarray | None] = []
-        for part, offset in zip(self._parts[lease.layer], offsets):
+        for part, address in zip(parts, addresses):
             if part is None:
                 listed.append(None)
             else:
-                listed.append(_read_only_array(base + offset, part[1], part[0], pin, chain))
+                listed.append(_read_only_array(address, part[1], part[0], pin, chain))
         arrays = tuple(listed)
         # Tenancy counts the references each chain object has now as its
         # baseline: nothing transient (this list) may hold one any more.

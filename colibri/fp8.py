@@ -102,19 +102,11 @@ def dequantize(weight_fp8: np.ndarray, scale_inv: np.ndarray,
 
 
 def dequantize_lease(ex: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(gate, up, down)`` of a leased expert as new float32 arrays.
+    """``(gate, up, down)`` of a leased expert as new float32 arrays: the
+    fp8 case of :func:`colibri.dequantize` (which also takes any other
+    layout and format, and returns biases too). The results do not reference
+    the cache slot, so the lease may end right after."""
+    from colibri.dequant import dequantize as dequantize_any
 
-    Block-scaled fp8 roles are dequantized with their leased scales (the block
-    shape is derived from the shapes by the same rule the store used); any
-    other dtype (F32, F16, BF16, unscaled fp8) is converted to float32. The
-    results do not reference the cache slot, so the lease may end right after.
-    """
-    out: list[np.ndarray] = []
-    for role in ROLES:
-        weight = getattr(ex, role)
-        scale = getattr(ex, f"{role}_scale")
-        if scale is None:
-            out.append(np.array(weight, dtype=np.float32, copy=True))
-        else:
-            out.append(dequantize(weight, scale, block=None))
-    return out[0], out[1], out[2]
+    weights = dequantize_any(ex)
+    return weights["gate"], weights["up"], weights["down"]

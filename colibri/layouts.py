@@ -19,6 +19,8 @@ ignoring it would silently compute with unscaled weights.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,6 +28,8 @@ from typing import Iterator, Mapping, Union
 
 from . import _dtypes
 from .errors import FormatError, UnknownExpertError
+import numpy as np
+
 from .safetensors_reader import ModelSource, TensorInfo, read_model_tensors
 
 __all__ = [
@@ -34,6 +38,19 @@ __all__ = [
     "MIXTRAL",
     "MLP_EXPERTS",
     "BUILTIN_LAYOUTS",
+    "StackedLayout",
+    "GPT_OSS",
+    "LLAMA4",
+    "STACKED",
+    "STACKED_LAYOUTS",
+    "AnyLayout",
+    "SCHEMES",
+    "PLAIN",
+    "FP8_BLOCK",
+    "MXFP4",
+    "INT4",
+    "INTERLEAVED",
+    "CONCATENATED",
     "ExpertTensors",
     "ModelExperts",
     "scale_block",
@@ -198,21 +215,59 @@ def scale_block(weight: TensorInfo, scale: TensorInfo) -> tuple[int, int]:
     return rows, cols
 
 
+# How an expert's weights are stored (ExpertTensors.scheme).
+PLAIN = "plain"            # F32/F16/BF16/unscaled fp8, no scales
+FP8_BLOCK = "fp8_block"    # F8_E4M3 with F32 block scales (DeepSeek-V3)
+MXFP4 = "mxfp4"            # e2m1 pairs per byte, one e8m0 scale per 32 values (gpt-oss)
+INT4 = "int4"              # compressed-tensors pack-quantized: 8 int4 per int32, group scales
+SCHEMES: tuple[str, ...] = (PLAIN, FP8_BLOCK, MXFP4, INT4)
+
+# ExpertTensors.fused: how a fused gate_up tensor holds gate and up.
+INTERLEAVED = "interleaved"    # gate, up, gate, up ... (gpt-oss)
+CONCATENATED = "concatenated"  # all of gate, then all of up (Llama 4, transformers)
+
+
 @dataclass(frozen=True)
 class ExpertTensors:
-    """The three weight tensors of one routed expert, plus optional block scales."""
+    """Where the parts of one routed expert are: each role's data, its scales
+    and any extra part (biases, zero points), each a byte range of a file.
+
+    A part cut from a stacked tensor (experts along the outer dimension) is a
+    :class:`TensorInfo` named ``"tensor[e]"`` whose offset, size and shape
+    are those of expert ``e``'s slice.
+
+    * ``up`` is None when ``fused``: ``gate`` then holds the fused gate_up
+      (``"interleaved"``: gate and up alternate, ``"concatenated"``: gate
+      first), and its scale is ``gate_scale``.
+    * ``transposed``: stored as (in, out), i.e. gate ``(hidden, inter)`` and
+      down ``(inter, hidden)``, instead of Mixtral's (out, in).
+    * ``scheme`` is one of :data:`SCHEMES`; ``shapes`` the logical
+      ``(rows, columns)`` of gate (or gate_up), up and down as stored, in
+      elements (a packed 4-bit tensor holds fewer bytes than elements);
+      ``group_size`` the values per scale along a row (4-bit schemes).
+    * ``extras``: ``(name, TensorInfo)`` of the parts beyond data and scales,
+      named ``gate_bias``, ``up_bias``, ``gate_up_bias``, ``down_bias``,
+      ``gate_zero``, ``up_zero``, ``down_zero``.
+    """
 
     gate: TensorInfo
-    up: TensorInfo
+    up: TensorInfo | None
     down: TensorInfo
     gate_scale: TensorInfo | None = None
     up_scale: TensorInfo | None = None
     down_scale: TensorInfo | None = None
+    extras: tuple[tuple[str, TensorInfo], ...] = ()
+    scheme: str = PLAIN
+    fused: str | None = None
+    transposed: bool = False
+    shapes: tuple[tuple[int, int] | None, ...] = ()
+    group_size: int = 0
 
-    def weight(self, role: str) -> TensorInfo:
+    def weight(self, role: str) -> TensorInfo | None:
+        """The data part of ``role`` (``up`` is None when gate_up is fused)."""
         if role not in ROLES:
             raise KeyError(role)
-        info: TensorInfo = getattr(self, role)
+        info: TensorInfo | None = getattr(self, role)
         return info
 
     def scale(self, role: str) -> TensorInfo | None:
@@ -221,28 +276,74 @@ class ExpertTensors:
         info: TensorInfo | None = getattr(self, f"{role}_scale")
         return info
 
+    def shape(self, role: str) -> tuple[int, int] | None:
+        """Logical ``(rows, columns)`` of ``role``'s data as stored, or None if absent."""
+        w = self.weight(role)
+        if w is None:
+            return None
+        if self.shapes:
+            found = self.shapes[ROLES.index(role)]
+            if found is not None:
+                return found
+        return (w.shape[0], w.shape[1])
+
     def block_shape(self, role: str) -> tuple[int, int] | None:
-        """Scale block of ``role``'s weight, or None if it is unscaled."""
-        scale = self.scale(role)
-        return None if scale is None else scale_block(self.weight(role), scale)
+        """Elements ``(rows, columns)`` one scale covers, or None if unscaled."""
+        scale, w = self.scale(role), self.weight(role)
+        if scale is None or w is None:
+            return None
+        if self.scheme in (MXFP4, INT4):
+            return (1, self.group_size)
+        return scale_block(w, scale)
 
     def coli_format(self, role: str) -> int:
-        """``ColiTensorFormat`` value of ``role``'s weight (csrc/tensor.h)."""
-        return _dtypes.coli_format(self.weight(role).dtype, self.scale(role) is not None)
+        """``ColiTensorFormat`` value of ``role``'s data (csrc/tensor.h)."""
+        w = self.weight(role)
+        if w is None:
+            raise KeyError(f"{role} is fused into gate")
+        if self.scheme == MXFP4:
+            return _dtypes.COLI_TENSOR_FP4_NATIVE_BLOCK
+        if self.scheme == INT4:
+            return _dtypes.COLI_TENSOR_INT4_BLOCK
+        return _dtypes.coli_format(w.dtype, self.scale(role) is not None)
+
+    def coli_scale_format(self, role: str) -> int:
+        """``ColiScaleFormat`` value of ``role``'s scales."""
+        scale = self.scale(role)
+        if scale is None:
+            return _dtypes.COLI_SCALE_NONE
+        return _dtypes.coli_scale_format(scale.dtype)
+
+    def part_names(self) -> tuple[str | None, ...]:
+        """Names of the parts in the C core's order: gate (``gate_up`` when
+        fused), up, down, their scales, then the extras; None where absent."""
+        first = "gate_up" if self.fused else "gate"
+        names: list[str | None] = [first, None if self.up is None else "up", "down"]
+        for role, prefix in ((r, first if r == "gate" else r) for r in ROLES):
+            names.append(None if self.scale(role) is None else f"{prefix}_scale")
+        names += [name for name, _ in self.extras]
+        return tuple(names)
+
+    def part_infos(self) -> tuple[TensorInfo | None, ...]:
+        """The parts in the order of :meth:`part_names`."""
+        infos: list[TensorInfo | None] = [self.gate, self.up, self.down]
+        infos += [self.scale(r) for r in ROLES]
+        infos += [info for _, info in self.extras]
+        return tuple(infos)
 
     def tensors(self) -> tuple[TensorInfo, ...]:
-        """Every tensor of the expert: each role's weight then its scale."""
+        """Every part of the expert: each role's data then its scale, then the extras."""
         out: list[TensorInfo] = []
         for role in ROLES:
-            out.append(self.weight(role))
-            scale = self.scale(role)
-            if scale is not None:
-                out.append(scale)
+            for info in (self.weight(role), self.scale(role)):
+                if info is not None:
+                    out.append(info)
+        out += [info for _, info in self.extras]
         return tuple(out)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights and scales together: what one cache slot holds."""
+        """Bytes of every part together: what one cache slot holds."""
         return sum(t.nbytes for t in self.tensors())
 
 
@@ -315,16 +416,141 @@ def _describe(files: tuple[str, ...] | list[str]) -> str:
     return f"{files[0]} and {len(files) - 1} more files"
 
 
-def detect_layout(names: Mapping[str, object] | list[str], files: tuple[str, ...] = ()) -> Layout:
-    """The single built-in layout that matches some tensor name."""
-    hits = [
+@dataclass(frozen=True)
+class StackedLayout:
+    """Experts stacked along the outer dimension of one tensor per role, the
+    way transformers holds them in memory: ``tensor[e]`` is expert ``e``.
+
+    ``pattern`` matches a whole role tensor name and has the named groups
+    ``layer`` and ``role``; ``roles`` maps the role text to ``"gate_up"``,
+    ``"gate"``, ``"up"`` or ``"down"``. A role tensor ``T`` may come with
+    ``T_bias`` (one bias row per expert), or be MXFP4 as ``T_blocks`` and
+    ``T_scales`` instead of ``T``. ``fused`` says how a gate_up holds gate
+    and up (:data:`INTERLEAVED` or :data:`CONCATENATED`). The orientation
+    ((out, in) as Mixtral, or (in, out)) is read from the shapes.
+    """
+
+    name: str
+    pattern: Union[re.Pattern[str], str]
+    roles: Mapping[str, str]
+    fused: str = CONCATENATED
+
+    SUFFIXES = ("_bias", "_blocks", "_scales")
+
+    def __post_init__(self) -> None:
+        pattern = re.compile(self.pattern) if isinstance(self.pattern, str) else self.pattern
+        missing = {"layer", "role"} - set(pattern.groupindex)
+        if missing:
+            raise FormatError(f"layout {self.name!r}: pattern lacks the named group(s) "
+                              + ", ".join(sorted(missing)))
+        if self.fused not in (INTERLEAVED, CONCATENATED):
+            raise FormatError(f"layout {self.name!r}: fused must be {INTERLEAVED!r} or {CONCATENATED!r}")
+        for text, role in self.roles.items():
+            if role not in ("gate_up", "gate", "up", "down"):
+                raise FormatError(f"layout {self.name!r}: roles maps {text!r} to {role!r}")
+        object.__setattr__(self, "pattern", pattern)
+        object.__setattr__(self, "roles", MappingProxyType(dict(self.roles)))
+
+    def __hash__(self) -> int:
+        pattern = self.pattern
+        assert isinstance(pattern, re.Pattern)
+        return hash((self.name, pattern.pattern, tuple(sorted(self.roles.items())), self.fused))
+
+    def match_base(self, name: str) -> tuple[int, str] | None:
+        """``(layer, role)`` if ``name`` is a role tensor (no suffix), else None."""
+        pattern = self.pattern
+        assert isinstance(pattern, re.Pattern)
+        found = pattern.fullmatch(name)
+        if found is None:
+            return None
+        role = self.roles.get(found.group("role"))
+        text = found.group("layer")
+        if role is None or text is None or not _NUMBER.fullmatch(text):
+            return None
+        return int(text), role
+
+    def match(self, name: str) -> tuple[int, str, str] | None:
+        """``(layer, role, suffix)`` for a role tensor or one of its known
+        companions (suffix ``""``, ``_bias``, ``_blocks`` or ``_scales``)."""
+        hit = self.match_base(name)
+        if hit is not None:
+            return hit[0], hit[1], ""
+        for suffix in self.SUFFIXES:
+            if name.endswith(suffix):
+                hit = self.match_base(name[: -len(suffix)])
+                if hit is not None:
+                    return hit[0], hit[1], suffix
+        return None
+
+
+GPT_OSS = StackedLayout(
+    "gpt_oss",
+    r"(?:model\.)?layers\.(?P<layer>[0-9]+)\.mlp\.experts\.(?P<role>gate_up_proj|down_proj)",
+    {"gate_up_proj": "gate_up", "down_proj": "down"},
+    INTERLEAVED,
+)
+LLAMA4 = StackedLayout(
+    "llama4",
+    r"(?:language_model\.)?(?:model\.)?layers\.(?P<layer>[0-9]+)\.feed_forward\.experts\."
+    r"(?P<role>gate_up_proj|down_proj)",
+    {"gate_up_proj": "gate_up", "down_proj": "down"},
+    CONCATENATED,
+)
+STACKED = StackedLayout(
+    "stacked",
+    r"(?:model\.)?layers\.(?P<layer>[0-9]+)\.(?:mlp|block_sparse_moe)\.experts\."
+    r"(?P<role>gate_up_proj|gate_proj|up_proj|down_proj)",
+    {"gate_up_proj": "gate_up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+    CONCATENATED,
+)
+STACKED_LAYOUTS: Mapping[str, StackedLayout] = MappingProxyType(
+    {GPT_OSS.name: GPT_OSS, LLAMA4.name: LLAMA4, STACKED.name: STACKED}
+)
+AnyLayout = Union[Layout, StackedLayout]
+
+
+def _model_type(files: tuple[str, ...]) -> str | None:
+    """``model_type`` of the config.json beside the first file, if any."""
+    if not files:
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(files[0]), "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    found = config.get("model_type") if isinstance(config, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def detect_layout(names: Mapping[str, object] | list[str],
+                  files: tuple[str, ...] = ()) -> AnyLayout:
+    """The single built-in layout that matches some tensor name.
+
+    Stacked ``mlp.experts.gate_up_proj`` tensors are gpt-oss (interleaved)
+    when they come with biases or MXFP4 blocks, or when the config.json
+    beside the files says ``model_type`` gpt_oss; otherwise they are
+    transformers' own stacking (concatenated).
+    """
+    # A pack-quantized weight W is stored as W_packed.
+    weights = [name[: -len("_packed")] if name.endswith(".weight_packed") else name for name in names]
+    hits: list[AnyLayout] = [
         layout for layout in BUILTIN_LAYOUTS.values()
-        if any(layout.match(name) is not None for name in names)
+        if any(layout.match(name) is not None for name in weights)
     ]
+    stacked = [layout for layout in STACKED_LAYOUTS.values()
+               if any(layout.match(name) is not None for name in names)]
+    if GPT_OSS in stacked:
+        marked = any((hit := GPT_OSS.match(name)) is not None and hit[2] in ("_bias", "_blocks")
+                     for name in names)
+        if marked or _model_type(files) == "gpt_oss":
+            stacked = [layout for layout in stacked if layout is not STACKED]
+        else:
+            stacked = [layout for layout in stacked if layout is not GPT_OSS]
+    hits += stacked
     if not hits:
         raise FormatError(
             f"no routed experts found in {_describe(files)}: tried layouts "
-            + ", ".join(BUILTIN_LAYOUTS)
+            + ", ".join([*BUILTIN_LAYOUTS, *STACKED_LAYOUTS])
             + " (pass a custom colibri.layouts.Layout for other naming schemes)"
         )
     if len(hits) > 1:
@@ -336,17 +562,19 @@ def detect_layout(names: Mapping[str, object] | list[str], files: tuple[str, ...
     return hits[0]
 
 
-def _choose_layout(layout: Union[str, Layout], names: Mapping[str, TensorInfo],
-                   files: tuple[str, ...]) -> Layout:
-    if isinstance(layout, Layout):
+def _choose_layout(layout: Union[str, AnyLayout], names: Mapping[str, TensorInfo],
+                   files: tuple[str, ...]) -> AnyLayout:
+    if isinstance(layout, (Layout, StackedLayout)):
         return layout
     if layout == "auto":
         return detect_layout(names, files)
     if isinstance(layout, str) and layout in BUILTIN_LAYOUTS:
         return BUILTIN_LAYOUTS[layout]
+    if isinstance(layout, str) and layout in STACKED_LAYOUTS:
+        return STACKED_LAYOUTS[layout]
     raise FormatError(
         f"unknown layout {layout!r}: use 'auto', "
-        + ", ".join(repr(n) for n in BUILTIN_LAYOUTS)
+        + ", ".join(repr(n) for n in [*BUILTIN_LAYOUTS, *STACKED_LAYOUTS])
         + " or a colibri.layouts.Layout"
     )
 
@@ -391,6 +619,9 @@ def _check_expert(layer: int, expert: int, ex: ExpertTensors) -> None:
     where = f"layer {layer} expert {expert}"
     for role in ROLES:
         w = ex.weight(role)
+        assert w is not None  # per-expert layouts never fuse
+        if ex.scheme == INT4:
+            continue  # checked by _int4_role
         if w.dtype not in _dtypes.EXPERT_DTYPES:
             raise FormatError(
                 f"{where}: {role} tensor {w.name!r} has dtype {w.dtype}; expert weights "
@@ -418,45 +649,313 @@ def _check_expert(layer: int, expert: int, ex: ExpertTensors) -> None:
             scale_block(w, s)
         except FormatError as exc:
             raise FormatError(f"{where}: {exc}") from None
-    gate, up, down = ex.gate.shape, ex.up.shape, ex.down.shape
+    gate, up, down = ex.shape("gate"), ex.shape("up"), ex.shape("down")
+    assert gate is not None and down is not None
     if up != gate or down != (gate[1], gate[0]):
         raise FormatError(
-            f"{where}: shapes gate {list(gate)}, up {list(up)}, down {list(down)}; "
+            f"{where}: shapes gate {list(gate)}, up {list(up or ())}, down {list(down)}; "
             "expected gate (I, H), up (I, H), down (H, I)"
         )
 
 
 def _signature(ex: ExpertTensors) -> tuple[object, ...]:
     """What must be equal across the experts of one layer."""
-    out: list[object] = []
-    for t in (ex.gate, ex.up, ex.down, ex.gate_scale, ex.up_scale, ex.down_scale):
-        out.append(None if t is None else (t.dtype, t.shape))
+    out: list[object] = [ex.scheme, ex.fused, ex.transposed, ex.shapes, ex.group_size]
+    for name, t in zip(ex.part_names(), ex.part_infos()):
+        out.append(None if t is None else (name, t.dtype, t.shape))
     return tuple(out)
 
 
 def _describe_signature(ex: ExpertTensors) -> str:
     parts = []
-    for role in ROLES:
-        w, s = ex.weight(role), ex.scale(role)
-        text = f"{role} {w.dtype}{list(w.shape)}"
-        if s is not None:
-            text += f" scale {s.dtype}{list(s.shape)}"
-        parts.append(text)
+    for name, t in zip(ex.part_names(), ex.part_infos()):
+        if t is not None:
+            parts.append(f"{name} {t.dtype}{list(t.shape)}")
     return ", ".join(parts)
+
+
+# compressed-tensors pack-quantized: the weight W of a Linear is stored as
+# W_packed (I32, 8 values per word) with these companions.
+_INT4_SUFFIXES = ("_packed", "_scale", "_zero_point", "_shape")
+_INT4_SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
+def _read_small(info: TensorInfo) -> np.ndarray:
+    """The values of a small integer tensor (a weight_shape), read from its file."""
+    dt = _dtypes.lookup(info.dtype)
+    if dt is None or info.dtype not in ("I32", "I64") or info.nbytes > 64:
+        raise FormatError(f"tensor {info.name!r} ({info.path}) must be a small I32 or I64 "
+                          f"tensor, not {info.dtype}{list(info.shape)}")
+    assert dt.numpy is not None
+    try:
+        with open(info.path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+    except OSError as exc:
+        raise FormatError(f"cannot read {info.name!r} from {info.path}: {exc}") from None
+    if len(raw) != info.nbytes:
+        raise FormatError(f"{info.path} ends inside tensor {info.name!r}")
+    return np.frombuffer(raw, dtype=dt.numpy.newbyteorder("<"))
+
+
+def _quant_config(files: tuple[str, ...]) -> dict[str, object]:
+    """The weights entry of the first config group of a compressed-tensors
+    config.json beside the files ({} when there is none)."""
+    if not files:
+        return {}
+    try:
+        with open(os.path.join(os.path.dirname(files[0]), "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        groups = config["quantization_config"]["config_groups"]
+        weights = next(iter(groups.values()))["weights"]
+    except (OSError, ValueError, KeyError, TypeError, StopIteration, AttributeError):
+        return {}
+    return weights if isinstance(weights, dict) else {}
+
+
+def _int4_role(where: str, parts: dict[str, TensorInfo], config: Mapping[str, object]
+               ) -> tuple[tuple[int, int], int]:
+    """Validates one pack-quantized weight; returns its (rows, columns) and group size."""
+    packed = parts["_packed"]
+    base = packed.name[: -len("_packed")]
+    for suffix in ("_scale", "_shape"):
+        if suffix not in parts:
+            raise FormatError(f"{where}: packed weight {packed.name!r} has no {base + suffix!r}")
+    if packed.dtype != "I32" or len(packed.shape) != 2:
+        raise FormatError(f"{where}: {packed.name!r} is {packed.dtype}{list(packed.shape)}; "
+                          "a packed int4 weight is a 2-D I32 tensor")
+    shape_values = _read_small(parts["_shape"])
+    if shape_values.shape != (2,) or (shape_values <= 0).any():
+        raise FormatError(f"{where}: {parts['_shape'].name!r} holds {shape_values.tolist()}, "
+                          "not two positive sizes")
+    rows, cols = int(shape_values[0]), int(shape_values[1])
+    if packed.shape != (rows, -(-cols // 8)):
+        raise FormatError(
+            f"{where}: packed tensor {packed.name!r} has shape {list(packed.shape)}, but "
+            f"weight_shape [{rows}, {cols}] packs into [{rows}, {-(-cols // 8)}] I32 words")
+    if cols % 8:
+        raise FormatError(f"{where}: {packed.name!r}: {cols} columns are not a multiple of 8; "
+                          "padded int4 rows are not supported")
+    bits = config.get("num_bits", 4)
+    if bits != 4:
+        raise FormatError(f"{where}: {packed.name!r}: num_bits {bits} in config.json; "
+                          "only 4-bit pack-quantized weights are supported")
+    scale = parts["_scale"]
+    if scale.dtype not in _INT4_SCALE_DTYPES or len(scale.shape) != 2 \
+            or scale.shape[0] != rows or scale.shape[1] <= 0 or cols % scale.shape[1]:
+        raise FormatError(
+            f"{where}: scale {scale.name!r} is {scale.dtype}{list(scale.shape)}; a weight of "
+            f"shape [{rows}, {cols}] needs [{rows}, groups] scales ({'/'.join(_INT4_SCALE_DTYPES)}) "
+            "with groups dividing the columns")
+    group = cols // scale.shape[1]
+    want_group = config.get("group_size")
+    if isinstance(want_group, int) and want_group > 0 and want_group != group:
+        raise FormatError(f"{where}: scale {scale.name!r} has groups of {group} columns but "
+                          f"config.json says group_size {want_group}")
+    zero = parts.get("_zero_point")
+    if zero is not None and (zero.dtype != "I32" or zero.shape != (-(-rows // 8), scale.shape[1])):
+        raise FormatError(
+            f"{where}: zero point {zero.name!r} is {zero.dtype}{list(zero.shape)}; expected "
+            f"I32{[-(-rows // 8), scale.shape[1]]} (8 packed int4 per word down each column)")
+    return (rows, cols), group
+
+
+def _int4_experts(chosen: Layout, tensors: Mapping[str, TensorInfo]
+                  ) -> dict[str, dict[str, TensorInfo]]:
+    """Pack-quantized weights by base name (``...gate_proj.weight``): their parts."""
+    bases: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        if name.endswith(".weight_packed") and chosen.match(name[: -len("_packed")]):
+            bases[name[: -len("_packed")]] = {"_packed": info}
+    if not bases:
+        return bases
+    for name, info in tensors.items():
+        tail = name.rfind(".") + 1
+        cut = name.find("_", tail)
+        if cut == -1 or name[:cut] not in bases:
+            continue
+        suffix = name[cut:]
+        if suffix == "_g_idx":
+            raise FormatError(f"tensor {name!r} ({info.path}): activation ordering (g_idx) "
+                              "is not supported")
+        if suffix not in _INT4_SUFFIXES:
+            raise FormatError(f"tensor {name!r} ({info.path}) accompanies packed weight "
+                              f"{name[:cut] + '_packed'!r}, but {suffix!r} is not a "
+                              "pack-quantized part")
+        bases[name[:cut]][suffix] = info
+    return bases
+
+
+def _slice(info: TensorInfo, expert: int, count: int) -> TensorInfo:
+    per = info.nbytes // count
+    return TensorInfo(name=f"{info.name}[{expert}]", file=info.file, path=info.path,
+                      dtype=info.dtype, shape=tuple(info.shape[1:]),
+                      offset=info.offset + expert * per, nbytes=per)
+
+
+def _stacked_experts(files: tuple[str, ...], tensors: Mapping[str, TensorInfo],
+                     chosen: StackedLayout) -> ModelExperts:
+    found: dict[int, dict[str, dict[str, TensorInfo]]] = {}
+    for name, info in tensors.items():
+        hit = chosen.match(name)
+        if hit is not None:
+            layer, role, suffix = hit
+            found.setdefault(layer, {}).setdefault(role, {})[suffix] = info
+    if not found:
+        raise FormatError(
+            f"layout {chosen.name!r} matches no routed-expert tensor in {_describe(files)}")
+    bases = {parts[key].name[: len(parts[key].name) - len(key)]
+             for roles in found.values() for parts in roles.values() for key in parts}
+    for name, info in tensors.items():
+        tail = name.rfind(".") + 1
+        cut = name.find("_", tail)
+        while cut != -1:
+            if name[:cut] in bases and chosen.match(name) is None:
+                raise FormatError(
+                    f"tensor {name!r} ({info.path}) accompanies expert tensor {name[:cut]!r}, "
+                    f"but layout {chosen.name!r} only knows the suffixes "
+                    + ", ".join(StackedLayout.SUFFIXES))
+            cut = name.find("_", cut + 1)
+    result: dict[int, Mapping[int, ExpertTensors]] = {}
+    for layer in sorted(found):
+        result[layer] = _stacked_layer(layer, found[layer], chosen)
+    return ModelExperts(files=files, layout=chosen.name, experts=MappingProxyType(result))
+
+
+def _stacked_layer(layer: int, roles: dict[str, dict[str, TensorInfo]],
+                   chosen: StackedLayout) -> Mapping[int, ExpertTensors]:
+    where = f"layer {layer}"
+    fused = "gate_up" in roles
+    data_roles = ["gate_up", "down"] if fused else ["gate", "up", "down"]
+    if fused and ("gate" in roles or "up" in roles):
+        raise FormatError(f"{where}: has both a fused gate_up and a separate gate or up tensor")
+    for role in data_roles:
+        if role not in roles:
+            have = ", ".join(repr(t.name) for parts in roles.values() for t in parts.values())
+            raise FormatError(f"{where}: no stacked {role} tensor (found {have})")
+    schemes: dict[str, str] = {}
+    count: int | None = None
+    count_from = ""
+    logical: dict[str, tuple[int, int]] = {}
+
+    def experts_of(info: TensorInfo, ndim: int) -> None:
+        nonlocal count, count_from
+        if len(info.shape) != ndim or 0 in info.shape:
+            raise FormatError(f"{where}: {info.name!r} has shape {list(info.shape)}; expected a "
+                              f"non-empty {ndim}-D tensor with experts along the first dimension")
+        if count is None:
+            count, count_from = info.shape[0], info.name
+        elif info.shape[0] != count:
+            raise FormatError(f"{where}: {info.name!r} stacks {info.shape[0]} experts but "
+                              f"{count_from!r} stacks {count}")
+
+    for role in data_roles:
+        parts = roles[role]
+        if "_blocks" in parts or "_scales" in parts:
+            blocks, scales = parts.get("_blocks"), parts.get("_scales")
+            if blocks is None or scales is None:
+                present = blocks or scales
+                assert present is not None
+                missing = present.name.rsplit("_", 1)[0] + ("_scales" if scales is None else "_blocks")
+                raise FormatError(f"{where}: MXFP4 tensor {present.name!r} has no {missing!r}")
+            if "" in parts:
+                raise FormatError(f"{where}: {parts[''].name!r} is stored both plain and as MXFP4 "
+                                  f"blocks {blocks.name!r}")
+            experts_of(blocks, 4)
+            if blocks.dtype != "U8" or blocks.shape[3] != 16:
+                raise FormatError(f"{where}: MXFP4 blocks {blocks.name!r} are "
+                                  f"{blocks.dtype}{list(blocks.shape)}; expected U8 [experts, "
+                                  "rows, blocks, 16] (32 e2m1 values in 16 bytes)")
+            if scales.dtype not in ("U8", "F8_E8M0") or scales.shape != blocks.shape[:3]:
+                raise FormatError(f"{where}: MXFP4 scales {scales.name!r} are "
+                                  f"{scales.dtype}{list(scales.shape)}; blocks {blocks.name!r} "
+                                  f"need U8{list(blocks.shape[:3])}")
+            schemes[role] = MXFP4
+            logical[role] = (blocks.shape[1], blocks.shape[2] * 32)
+        else:
+            data = parts[""]
+            experts_of(data, 3)
+            if data.dtype not in _dtypes.EXPERT_DTYPES:
+                raise FormatError(f"{where}: {data.name!r} has dtype {data.dtype}; expert weights "
+                                  "must be one of " + ", ".join(sorted(_dtypes.EXPERT_DTYPES)))
+            schemes[role] = PLAIN
+            logical[role] = (data.shape[1], data.shape[2])
+    if len(set(schemes.values())) != 1:
+        raise FormatError(f"{where}: roles mix formats: "
+                          + ", ".join(f"{r} {s}" for r, s in schemes.items()))
+    scheme = schemes["down"]
+    # Orientation: (out, in) as Mixtral, or (in, out).
+    k = 2 if fused else 1
+    first, down = logical[data_roles[0]], logical["down"]
+    if not fused and logical["up"] != first:
+        raise FormatError(f"{where}: gate {list(first)} and up {list(logical['up'])} differ")
+    if first[0] == k * down[1] and first[1] == down[0]:
+        transposed, inter, hidden = False, down[1], down[0]
+    elif first[1] == k * down[0] and first[0] == down[1]:
+        transposed, inter, hidden = True, down[0], down[1]
+    else:
+        names = {r: next(iter(roles[r].values())).name.rsplit("_", 1)[0]
+                 if "" not in roles[r] else roles[r][""].name for r in (data_roles[0], "down")}
+        raise FormatError(
+            f"{where}: {data_roles[0]} {names[data_roles[0]]!r} {list(first)} and down "
+            f"{names['down']!r} {list(down)} per expert fit neither "
+            + ("gate_up (2I, H) and down (H, I) nor gate_up (H, 2I) and down (I, H)" if fused
+               else "gate (I, H) and down (H, I) nor gate (H, I) and down (I, H)"))
+    if scheme == MXFP4 and transposed:
+        raise FormatError(f"{where}: MXFP4 experts must be stored (out, in)")
+    bias_len = {"gate_up": 2 * inter, "gate": inter, "up": inter, "down": hidden}
+    for role, parts in roles.items():
+        bias = parts.get("_bias")
+        if bias is None:
+            continue
+        experts_of(bias, 2)
+        if bias.shape[1] != bias_len[role] or bias.dtype not in _dtypes.EXPERT_DTYPES:
+            raise FormatError(f"{where}: bias {bias.name!r} is {bias.dtype}{list(bias.shape)}; "
+                              f"expected a float [experts, {bias_len[role]}]")
+    assert count is not None
+    layer_experts: dict[int, ExpertTensors] = {}
+    key = "_blocks" if scheme == MXFP4 else ""
+    for e in range(count):
+        def data_of(role: str) -> TensorInfo:
+            return _slice(roles[role][key], e, count)
+
+        def scale_of(role: str) -> TensorInfo | None:
+            return _slice(roles[role]["_scales"], e, count) if scheme == MXFP4 else None
+
+        first_role = data_roles[0]
+        extras = tuple((f"{role}_bias", _slice(roles[role]["_bias"], e, count))
+                       for role in (*data_roles[:-1], "down") if "_bias" in roles[role])
+        layer_experts[e] = ExpertTensors(
+            gate=data_of(first_role), up=None if fused else data_of("up"), down=data_of("down"),
+            gate_scale=scale_of(first_role), up_scale=None if fused else scale_of("up"),
+            down_scale=scale_of("down"), extras=extras, scheme=scheme,
+            fused=chosen.fused if fused else None, transposed=transposed,
+            shapes=(logical[first_role], None if fused else logical["up"], logical["down"]),
+            group_size=32 if scheme == MXFP4 else 0)
+    return MappingProxyType(layer_experts)
 
 
 def experts_from_tensors(files: tuple[str, ...] | list[str],
                          tensors: Mapping[str, TensorInfo],
-                         layout: Union[str, Layout] = "auto") -> ModelExperts:
+                         layout: Union[str, AnyLayout] = "auto") -> ModelExperts:
     """Apply a layout to already-read headers and validate the result."""
     files = tuple(files)
     chosen = _choose_layout(layout, tensors, files)
+    if isinstance(chosen, StackedLayout):
+        return _stacked_experts(files, tensors, chosen)
 
+    int4 = _int4_experts(chosen, tensors)
     found: dict[int, dict[int, dict[str, TensorInfo]]] = {}
     for name, info in tensors.items():
         hit = chosen.match(name)
         if hit is None:
-            continue
+            if name.endswith(".weight_packed") and name[: -len("_packed")] in int4:
+                hit = chosen.match(name[: -len("_packed")])
+            if hit is None:
+                continue
+        elif int4:
+            raise FormatError(f"tensor {name!r} ({info.path}) is a plain expert weight in a "
+                              "checkpoint of pack-quantized experts")
         layer, expert, role = hit
         roles = found.setdefault(layer, {}).setdefault(expert, {})
         if role in roles:
@@ -469,9 +968,12 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
         raise FormatError(
             f"layout {chosen.name!r} matches no routed-expert tensor in {_describe(files)}"
         )
-    weights = {info.name for experts in found.values()
-               for roles in experts.values() for info in roles.values()}
-    scales = _companions(tensors, weights, chosen)
+    scales: dict[str, TensorInfo] = {}
+    if not int4:
+        weights = {info.name for experts in found.values()
+                   for roles in experts.values() for info in roles.values()}
+        scales = _companions(tensors, weights, chosen)
+    config = _quant_config(files) if int4 else {}
 
     result: dict[int, Mapping[int, ExpertTensors]] = {}
     for layer in sorted(found):
@@ -494,12 +996,16 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
                     f"layer {layer} expert {expert} has no {' or '.join(absent)} "
                     f"tensor (found {have_names})"
                 )
-            ex = ExpertTensors(
-                gate=roles["gate"], up=roles["up"], down=roles["down"],
-                gate_scale=scales.get(roles["gate"].name),
-                up_scale=scales.get(roles["up"].name),
-                down_scale=scales.get(roles["down"].name),
-            )
+            if int4:
+                ex = _int4_expert(f"layer {layer} expert {expert}", roles, int4, config)
+            else:
+                ex = ExpertTensors(
+                    gate=roles["gate"], up=roles["up"], down=roles["down"],
+                    gate_scale=scales.get(roles["gate"].name),
+                    up_scale=scales.get(roles["up"].name),
+                    down_scale=scales.get(roles["down"].name),
+                    scheme=FP8_BLOCK if scales.get(roles["gate"].name) is not None else PLAIN,
+                )
             _check_expert(layer, expert, ex)
             if reference is None:
                 reference = (expert, ex)
@@ -514,12 +1020,37 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
     return ModelExperts(files=files, layout=chosen.name, experts=MappingProxyType(result))
 
 
-def scan_model(source: ModelSource, layout: Union[str, Layout] = "auto") -> ModelExperts:
+def _int4_expert(where: str, roles: dict[str, TensorInfo],
+                 int4: dict[str, dict[str, TensorInfo]], config: Mapping[str, object]
+                 ) -> ExpertTensors:
+    shapes: list[tuple[int, int] | None] = []
+    groups: set[int] = set()
+    extras: list[tuple[str, TensorInfo]] = []
+    for role in ROLES:
+        parts = int4[roles[role].name[: -len("_packed")]]
+        shape, group = _int4_role(f"{where} {role}", parts, config)
+        shapes.append(shape)
+        groups.add(group)
+        if "_zero_point" in parts:
+            extras.append((f"{role}_zero", parts["_zero_point"]))
+    if len(groups) != 1:
+        raise FormatError(f"{where}: gate, up and down use different group sizes {sorted(groups)}")
+    if 0 < len(extras) < 3:
+        raise FormatError(f"{where}: only some roles have zero points")
+    scale_of = {r: int4[roles[r].name[: -len("_packed")]]["_scale"] for r in ROLES}
+    return ExpertTensors(
+        gate=roles["gate"], up=roles["up"], down=roles["down"],
+        gate_scale=scale_of["gate"], up_scale=scale_of["up"], down_scale=scale_of["down"],
+        extras=tuple(extras), scheme=INT4, shapes=tuple(shapes), group_size=groups.pop())
+
+
+def scan_model(source: ModelSource, layout: Union[str, AnyLayout] = "auto") -> ModelExperts:
     """Read a model's headers and return its validated routed experts.
 
     ``source`` is anything :func:`colibri.safetensors_reader.resolve_files`
     accepts; ``layout`` is ``"auto"``, a built-in name (``"mixtral"``,
-    ``"mlp_experts"``) or a :class:`Layout`. Raises FormatError naming the
+    ``"mlp_experts"``, ``"gpt_oss"``, ``"llama4"``, ``"stacked"``), a
+    :class:`Layout` or a :class:`StackedLayout`. Raises FormatError naming the
     file, layer, expert or tensor at fault.
     """
     files, tensors = read_model_tensors(source)

@@ -20,8 +20,9 @@ Three steps, usable separately:
 * :func:`moe_layer` does both. Shared experts, dense MLPs and the rest of the
   block are the engine's business, not the store's.
 
-Weights may be F32, F16, BF16 or block-scaled FP8 (dequantized with
-:func:`colibri.fp8.dequantize`); compute is float32.
+Experts may be of any layout and format the store reads (fused gate_up,
+(in, out) orientation, block-scaled FP8, MXFP4, int4), dequantized per leased
+expert with :func:`colibri.dequantize`; compute is float32.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from colibri.fp8 import dequantize
+from colibri.dequant import dequantize as dequantize_lease
+from colibri.layouts import PLAIN
 from colibri.store import Store
 
 __all__ = ["route", "swiglu", "expert_weights", "experts_forward", "moe_layer"]
@@ -117,29 +119,62 @@ def swiglu(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray) ->
 def expert_weights(ex: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(gate, up, down) of a leased expert, ready for :func:`swiglu`.
 
-    Block-scaled fp8 roles are dequantized to float32; other dtypes are
-    returned as the leased arrays themselves (swiglu converts them), so no
-    copy outlives the computation.
+    Unscaled weights stored as Mixtral stores them (gate (I, H), not fused)
+    are returned as the leased arrays themselves (swiglu converts them), so
+    no copy outlives the computation; every other layout and format goes
+    through :func:`colibri.dequantize` (float32 copies).
     """
-    out = []
-    for role in ("gate", "up", "down"):
-        weight = getattr(ex, role)
-        scale = getattr(ex, f"{role}_scale")
-        out.append(weight if scale is None else dequantize(weight, scale, block=None))
-    return out[0], out[1], out[2]
+    info = ex.tensors
+    if info.scheme == PLAIN and not info.fused and not info.transposed:
+        return ex.gate, ex.up, ex.down
+    weights = dequantize_lease(ex)
+    return weights["gate"], weights["up"], weights["down"]
+
+
+def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    return y if bias is None else y + bias
+
+
+def _expert(ex: Any, x: np.ndarray, activation: str, limit: float, alpha: float) -> np.ndarray:
+    """One expert applied to x (tokens, hidden)."""
+    if activation == "silu" and not ex.tensors.extras:
+        gate, up, down = expert_weights(ex)
+        y = swiglu(gate, up, down, x)
+        del gate, up, down  # no leased array outlives the lease
+        return y
+    w = dequantize_lease(ex)
+    g = _biased(x @ w["gate"].T, w.get("gate_bias"))
+    u = _biased(x @ w["up"].T, w.get("up_bias"))
+    if activation == "silu":
+        h = g / (1.0 + np.exp(-g)) * u
+    else:  # gpt-oss: clamped, with a sigmoid gate and up + 1
+        g = np.minimum(g, limit)
+        u = np.clip(u, -limit, limit)
+        h = (u + 1.0) * g * (0.5 + 0.5 * np.tanh(0.5 * alpha * g))  # sigmoid, without overflow
+    return np.asarray(_biased(h @ w["down"].T, w.get("down_bias")), dtype=np.float32)
 
 
 def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: np.ndarray,
-                    top_k_weights: np.ndarray) -> np.ndarray:
+                    top_k_weights: np.ndarray, *, activation: str = "silu",
+                    weights_on_input: bool = False, swiglu_limit: float = 7.0,
+                    swiglu_alpha: float = 1.702) -> np.ndarray:
     """The routed-expert output of ``layer`` for the given routing.
 
     ``hidden`` is (tokens, hidden); ``top_k_index`` (tokens, k) expert numbers
     and ``top_k_weights`` (tokens, k) their weights, from :func:`route` or any
-    other router. Token t gets ``sum_j w[t, j] * expert_{idx[t, j]}(x_t)``.
-    Every expert chosen by some token is leased once, all or nothing, in
-    groups of at most the layer's slot count (one group when the union fits),
-    and released before returning. Returns float32 (tokens, hidden).
+    other router. Token t gets ``sum_j w[t, j] * expert_{idx[t, j]}(x_t)``
+    (``weights_on_input``: ``expert(w[t, j] * x_t)``, as Llama 4 does).
+    ``activation`` is ``"silu"`` (``down(silu(gate x) * up x)``, biases added
+    where the checkpoint has them) or ``"gpt_oss"`` (gate clamped at
+    ``swiglu_limit``, up to +-``swiglu_limit``, ``down((up + 1) * gate *
+    sigmoid(swiglu_alpha * gate))``). Experts of any layout and format are
+    dequantized per leased expert. Every expert chosen by some token is
+    leased once, all or nothing, in groups of at most the layer's slot count
+    (one group when the union fits), and released before returning. Returns
+    float32 (tokens, hidden).
     """
+    if activation not in ("silu", "gpt_oss"):
+        raise ValueError(f"activation must be 'silu' or 'gpt_oss', not {activation!r}")
     x = _f32(np.atleast_2d(np.asarray(hidden)))
     idx = np.asarray(top_k_index)
     w = _f32(np.asarray(top_k_weights))
@@ -159,11 +194,13 @@ def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: n
         with store.lease_many(layer, union[start:start + group]) as leases:
             for lease in leases:
                 rows, slot = np.nonzero(idx == lease.expert)
-                gate, up, down = expert_weights(lease)
-                y = swiglu(gate, up, down, x[rows])
-                del gate, up, down  # no leased array outlives the lease
+                scale = w[rows, slot, None]
+                if weights_on_input:
+                    y = _expert(lease, x[rows] * scale, activation, swiglu_limit, swiglu_alpha)
+                else:
+                    y = scale * _expert(lease, x[rows], activation, swiglu_limit, swiglu_alpha)
                 # np.add.at: a token may pick the same expert in two of its k slots.
-                np.add.at(out, rows, w[rows, slot, None] * y)
+                np.add.at(out, rows, y)
     return out
 
 

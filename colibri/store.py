@@ -15,7 +15,7 @@ import logging
 import math
 import operator
 import os
-from typing import Any, Iterable, Literal, Sequence, Union
+from typing import Any, Callable, Iterable, Literal, Sequence, Union
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from colibri.errors import (
     UnknownExpertError,
     error_for,
 )
-from colibri.layouts import ROLES, Layout, ModelExperts, scan_model
+from colibri.layouts import ROLES, AnyLayout, ExpertTensors, ModelExperts, scan_model
 from colibri.safetensors_reader import ModelSource
 from colibri.stats import StoreStats
 
@@ -70,10 +70,31 @@ class ExpertLease(LeaseBase):
     """
 
     __slots__ = ()
+    # Per store (a subclass made by Store): the model, and the part names of
+    # each layer in the C core's order (ExpertTensors.part_names).
+    _model: ModelExperts | None = None
+    _part_names: dict[int, tuple[str | None, ...]] = {}
+
+    @property
+    def tensors(self) -> ExpertTensors:
+        """Where this expert's parts are in the files, and how they are stored
+        (scheme, fused, transposed, group size)."""
+        assert self._model is not None
+        return self._model.expert(self.layer, self.expert)
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.layer, self.expert)
+
+    @property
+    def parts(self) -> dict[str, np.ndarray]:
+        """Every part of the expert as stored, by name: ``gate``, ``up``,
+        ``down`` (or ``gate_up`` for a fused layout), ``<role>_scale``,
+        ``<role>_bias``, ``<role>_zero``. A new dict each time; its arrays are
+        the lease's (read-only, valid while the lease or they live)."""
+        arrays = self._all_parts
+        return {name: array for name, array in zip(self._part_names[self.layer], arrays)
+                if name is not None and array is not None}
 
     def __repr__(self) -> str:
         return f"store.lease({self.layer}, {self.expert})"
@@ -136,7 +157,8 @@ class Store:
         # Arrays shared by the leases of one slot tenancy; about one cached
         # tenancy per slot is enough to keep every hot expert's arrays.
         self._tenancies = Tenancies(
-            TenancyBuilder({layer: _layer_arrays(model, layer) for layer in model.layers}).build,
+            TenancyBuilder({layer: _layer_arrays(model, layer) for layer in model.layers},
+                           _locator(self._handle)).build,
             defer,
             limit=2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16,
         )
@@ -145,7 +167,11 @@ class Store:
             int(ffi.cast("uintptr_t", self._handle)),
             int(ffi.cast("uintptr_t", lib.coli_lease_entry_points())),
             self._tenancies,
-            ExpertLease,
+            type("ExpertLease", (ExpertLease,), {
+                "__slots__": (),
+                "_model": model,
+                "_part_names": {layer: model.expert(layer, 0).part_names() for layer in model.layers},
+            }),
             error_for,
             LeaseError,
         )
@@ -318,38 +344,57 @@ class Store:
 
 
 def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
-    """How to view one layer's slot bytes: (dtype, shape) of each weight and
-    scale, indexed like coli_view_layout's offsets (gate, up, down, then their
-    scales; None where a role is unscaled). All experts of a layer agree."""
+    """How to view one layer's slot bytes: (dtype, shape) of each part as
+    stored, in coli_lru_expert_parts's order (gate, up, down, their scales,
+    then the extra parts; None where absent). All experts of a layer agree."""
     ex = model.expert(layer, next(iter(model.experts[layer])))
-    parts: list[tuple[np.dtype, tuple[int, int]] | None] = []
-    for info in [ex.weight(r) for r in ROLES] + [ex.scale(r) for r in ROLES]:
+    parts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
+    for info in ex.part_infos():
         if info is None:
             parts.append(None)
             continue
         dt = _dtypes.lookup(info.dtype)
         assert dt is not None and dt.numpy is not None
-        rows, cols = info.shape
-        parts.append((np.dtype(dt.numpy), (rows, cols)))
+        parts.append((np.dtype(dt.numpy), tuple(info.shape)))
     return tuple(parts)
 
 
-def _fill_source(dst: Any, ex: Any, role: str) -> None:
+def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
+    """Slot offsets of every part of an expert (coli_lru_expert_parts)."""
+    size = 6 + int(lib.COLI_MAX_PARTS)
+
+    def locate(layer: int, expert: int) -> tuple[int, ...]:
+        out = ffi.new("uint64_t[]", size)
+        n = int(lib.coli_lru_expert_parts(handle, layer, expert, out, size))
+        if n < 0:
+            raise UnknownExpertError(f"layer {layer} has no expert {expert}")
+        return tuple(out[0:n])
+
+    return locate
+
+
+def _fill_source(dst: Any, ex: ExpertTensors, role: str) -> None:
     w = ex.weight(role)
+    if w is None:
+        return  # up of a fused gate_up: left zeroed
     dst.file = w.file
     dst.offset = w.offset
     dst.nbytes = w.nbytes
     dst.format = ex.coli_format(role)
-    dst.rows, dst.columns = w.shape
+    shape = ex.shape(role)
+    assert shape is not None
+    dst.rows, dst.columns = shape
     scale = ex.scale(role)
     if scale is None:
         dst.scale_format = _dtypes.COLI_SCALE_NONE
         return
-    dst.scale_format = _dtypes.COLI_SCALE_F32
+    dst.scale_format = ex.coli_scale_format(role)
     dst.scale_file = scale.file
     dst.scale_offset = scale.offset
     dst.scale_nbytes = scale.nbytes
-    dst.block_rows, dst.block_columns = ex.block_shape(role)
+    block = ex.block_shape(role)
+    assert block is not None
+    dst.block_rows, dst.block_columns = block
 
 
 def _nanoseconds(seconds: float | None) -> int:
@@ -387,12 +432,21 @@ def _create_handle(
 ) -> Any:
     keys = list(model.keys())
     sources = ffi.new("ColiExpertSource[]", len(keys))
+    keep: list[Any] = []  # extra parts' arrays, alive until the store copied them
     for i, (layer, expert) in enumerate(keys):
         ex = model.expert(layer, expert)
         src = sources[i]
         src.layer, src.expert = layer, expert
         for role in ROLES:
             _fill_source(getattr(src, role), ex, role)
+        if ex.fused:
+            src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
+        if ex.extras:
+            parts = ffi.new("ColiPartSource[]", len(ex.extras))
+            for k, (_, info) in enumerate(ex.extras):
+                parts[k].file, parts[k].offset, parts[k].nbytes = info.file, info.offset, info.nbytes
+            keep.append(parts)
+            src.n_parts, src.parts = len(ex.extras), parts
     paths = [ffi.new("char[]", p.encode()) for p in model.files]
     files = ffi.new("const char *[]", paths)
     cfg = ffi.new("ColiLruConfig *")
@@ -473,7 +527,7 @@ def _count(value: Any, name: str, *, minimum: int) -> int:
 def open_store(
     path: Union[ModelSource, Sequence[ModelSource]],
     *,
-    layout: Union[str, Layout] = "auto",
+    layout: Union[str, AnyLayout] = "auto",
     slots_per_layer: int | None = None,
     capacity_bytes: int | None = None,
     prefetch_workers: int = 2,

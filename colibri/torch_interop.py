@@ -21,6 +21,10 @@ Rules:
   (the lease then warns with a ResourceWarning, as for numpy arrays). Drop
   the tensors before the block ends to give the slot back on time; results
   of computations (``linear(x, gate)``) are new tensors and hold nothing.
+* **Every part.** :func:`expert_tensors` gives every part of a lease
+  (packed MXFP4 blocks and int4 words, scales, biases, zero points) by the
+  names of ``ex.parts``; :func:`dequantize_torch` is :func:`colibri.dequantize`
+  computed in torch from those views.
 * **Dtypes.** float32/float16 map directly; ``bfloat16`` (ml_dtypes) becomes
   ``torch.bfloat16`` and ``float8_e4m3fn`` / ``float8_e5m2`` become
   ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, through a same-size
@@ -41,13 +45,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["as_torch", "expert_tensors"]
+__all__ = ["as_torch", "expert_tensors", "dequantize_torch"]
 
 # numpy dtype -> (same-size integer dtype to export, torch dtype attribute name)
 _REINTERPRET: dict[np.dtype, tuple[np.dtype, str]] = {
     np.dtype(ml_dtypes.bfloat16): (np.dtype(np.uint16), "bfloat16"),
     np.dtype(ml_dtypes.float8_e4m3fn): (np.dtype(np.uint8), "float8_e4m3fn"),
     np.dtype(ml_dtypes.float8_e5m2): (np.dtype(np.uint8), "float8_e5m2"),
+    np.dtype(ml_dtypes.float8_e8m0fnu): (np.dtype(np.uint8), "float8_e8m0fnu"),
 }
 
 
@@ -94,11 +99,78 @@ def as_torch(array: np.ndarray) -> Any:
 
 
 def expert_tensors(ex: Any) -> dict[str, Any]:
-    """The arrays of a lease as tensors: ``gate``, ``up``, ``down`` and, for
-    block-scaled fp8 experts, ``gate_scale``, ``up_scale``, ``down_scale``."""
+    """Every part of a lease as tensors, by the names of ``ex.parts``
+    (``gate``, ``up``, ``down`` or ``gate_up``, scales, biases, zero points)."""
+    return {name: as_torch(array) for name, array in ex.parts.items()}
+
+
+def _unpack_nibbles(torch: Any, data: Any) -> Any:
+    """uint8 (..., n) -> int64 nibbles (..., 2n), the low nibble first."""
+    return torch.stack(((data & 0x0F).long(), (data >> 4).long()), dim=-1).flatten(-2)
+
+
+def _decode(torch: Any, info: Any, role: str, data: Any, scale: Any, zero: Any) -> Any:
+    from colibri.layouts import FP8_BLOCK, INT4, MXFP4
+
+    f32 = torch.float32
+    if scale is None:
+        return data.to(f32, copy=True)
+    if info.scheme == FP8_BLOCK:
+        rows, cols = data.shape
+        br, bc = info.block_shape(role)
+        full = scale.to(f32).repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+        return data.to(f32) * full
+    if info.scheme == MXFP4:
+        from colibri.dequant import E2M1_VALUES
+
+        lut = torch.from_numpy(E2M1_VALUES)
+        values = lut[_unpack_nibbles(torch, data)]                 # (R, G, 32)
+        exponents = scale.view(torch.uint8).to(torch.int32) - 127  # (R, G)
+        return torch.ldexp(values, exponents[..., None]).flatten(-2)
+    if info.scheme == INT4:
+        rows, cols = info.shape(role)
+        q = _unpack_nibbles(torch, data.contiguous().view(torch.uint8)).to(f32)[:, :cols] - 8
+        groups = scale.shape[1]
+        q = q.reshape(rows, groups, cols // groups)
+        if zero is not None:
+            z = _unpack_nibbles(torch, zero.t().contiguous().view(torch.uint8)).to(f32)[:, :rows] - 8
+            q = q - z.t()[:, :, None]
+        return (q * scale.to(f32)[:, :, None]).reshape(rows, cols)
+    raise ValueError(f"unknown weight scheme {info.scheme!r}")
+
+
+def dequantize_torch(ex: Any) -> dict[str, Any]:
+    """:func:`colibri.dequantize` in torch: the same float32 weights and
+    biases (Mixtral orientation), computed from zero-copy tensor views of the
+    leased parts. The results are new tensors that hold nothing of the slot."""
+    from colibri.layouts import INTERLEAVED, ROLES
+
+    torch = _torch()
+    info = ex.tensors
+    parts = expert_tensors(ex)
+    first = "gate_up" if info.fused else "gate"
+    decoded: dict[str, Any] = {}
+    for role in ROLES:
+        name = first if role == "gate" else role
+        if name in parts:
+            decoded[name] = _decode(torch, info, role, parts[name], parts.get(f"{name}_scale"),
+                                    parts.get(f"{role}_zero"))
+    if info.transposed:
+        decoded = {name: w.t() for name, w in decoded.items()}
+
+    def split(t: Any) -> tuple[Any, Any]:
+        if info.fused == INTERLEAVED:
+            return t[0::2], t[1::2]
+        return t[: t.shape[0] // 2], t[t.shape[0] // 2:]
+
     out: dict[str, Any] = {}
-    for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
-        array = getattr(ex, name)
-        if array is not None:
-            out[name] = as_torch(array)
-    return out
+    out["gate"], out["up"] = split(decoded["gate_up"]) if info.fused else (decoded["gate"], decoded["up"])
+    out["down"] = decoded["down"]
+    if "gate_up_bias" in parts:
+        out["gate_bias"], out["up_bias"] = split(parts["gate_up_bias"].to(torch.float32, copy=True))
+    for role in ROLES:
+        if f"{role}_bias" in parts:
+            out[f"{role}_bias"] = parts[f"{role}_bias"].to(torch.float32, copy=True)
+    del parts
+    # contiguous() of a view of our own results copies nothing of the slot.
+    return {name: t.contiguous() for name, t in out.items()}

@@ -126,11 +126,38 @@ static int check_range(const ColiFileSet *files, int file, uint64_t off, uint64_
     return COLI_OK;
 }
 
+/* The scale format each block format takes; COLI_SCALE_NONE for a format
+ * without scales. Formats no producer writes are refused here. */
+static bool scale_allowed(ColiTensorFormat f, ColiScaleFormat sf) {
+    switch (f) {
+    case COLI_TENSOR_FP8_E4M3_BLOCK: return sf == COLI_SCALE_F32;
+    case COLI_TENSOR_FP4_NATIVE_BLOCK: return sf == COLI_SCALE_UE8M0;
+    case COLI_TENSOR_INT4_BLOCK:
+        return sf == COLI_SCALE_F32 || sf == COLI_SCALE_BF16 || sf == COLI_SCALE_F16;
+    default: return sf == COLI_SCALE_NONE || sf == COLI_SCALE_F32;
+    }
+}
+
+static uint64_t scale_size(ColiScaleFormat sf) {
+    switch (sf) {
+    case COLI_SCALE_F32: return 4;
+    case COLI_SCALE_UE8M0: return 1;
+    case COLI_SCALE_BF16:
+    case COLI_SCALE_F16: return 2;
+    default: return 0;
+    }
+}
+
 int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                       const char *what, char *err, size_t err_len) {
     if (t->rows <= 0 || t->columns <= 0)
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: shape %lld x %lld is not positive",
                          what, (long long)t->rows, (long long)t->columns);
+    if (t->format == COLI_TENSOR_Q8_ROW || t->format == COLI_TENSOR_Q4_ROW ||
+        t->format == COLI_TENSOR_Q2_ROW || t->format == COLI_TENSOR_INT8_BLOCK)
+        return coli_fail(err, err_len, COLI_ECONFIG,
+                         "%s: format %d is not supported by this store (no checkpoint format maps to it)",
+                         what, (int)t->format);
     uint64_t expect;
     if (!data_bytes_for(t->format, t->rows, t->columns, &expect))
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown or oversized format %d (%lld x %lld)",
@@ -142,15 +169,18 @@ int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                          (long long)t->rows, (long long)t->columns, (unsigned long long)expect);
     int rc = check_range(files, t->file, t->offset, t->nbytes, what, "data", err, err_len);
     if (rc) return rc;
-    if (t->scale_format == COLI_SCALE_NONE) return COLI_OK;
-    if (t->scale_format != COLI_SCALE_F32 && t->scale_format != COLI_SCALE_UE8M0)
+    if (t->scale_format != COLI_SCALE_NONE && scale_size(t->scale_format) == 0)
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown scale format %d",
                          what, (int)t->scale_format);
+    if (!scale_allowed(t->format, t->scale_format))
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: format %d cannot take scale format %d",
+                         what, (int)t->format, (int)t->scale_format);
+    if (t->scale_format == COLI_SCALE_NONE) return COLI_OK;
     if (t->block_rows == 0 || t->block_columns == 0)
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: scaled tensor with a zero block size", what);
     uint64_t blocks = ((uint64_t)t->rows + t->block_rows - 1) / t->block_rows *
                       (((uint64_t)t->columns + t->block_columns - 1) / t->block_columns);
-    uint64_t scale_expect = blocks * (t->scale_format == COLI_SCALE_F32 ? 4u : 1u);
+    uint64_t scale_expect = blocks * scale_size(t->scale_format);
     if (t->scale_nbytes != scale_expect)
         return coli_fail(err, err_len, COLI_ECONFIG,
                          "%s: %llu scale bytes, %llu expected for %u x %u blocks",
@@ -160,10 +190,53 @@ int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                        err, err_len);
 }
 
+static bool all_zero(const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i]) return false;
+    return true;
+}
+
+int coli_check_expert(const ColiFileSet *files, const ColiExpertSource *src,
+                      char *err, size_t err_len) {
+    char what[96];
+    const ColiTensorSource *t[3] = {&src->gate, &src->up, &src->down};
+    static const char *const names[3] = {"gate", "up", "down"};
+    bool fused = (src->flags & COLI_SOURCE_FUSED_GATE_UP) != 0;
+    if (src->flags & ~(uint32_t)COLI_SOURCE_FUSED_GATE_UP)
+        return coli_fail(err, err_len, COLI_ECONFIG, "layer %d expert %d: unknown flags 0x%x",
+                         src->layer, src->expert, (unsigned)src->flags);
+    for (int r = 0; r < 3; r++) {
+        snprintf(what, sizeof what, "layer %d expert %d %s", src->layer, src->expert,
+                 r == 0 && fused ? "gate_up" : names[r]);
+        if (r == 1 && fused) {
+            if (!all_zero(t[r], sizeof *t[r]))
+                return coli_fail(err, err_len, COLI_ECONFIG,
+                                 "%s: must be zeroed when gate holds the fused gate_up", what);
+            continue;
+        }
+        int rc = coli_check_tensor(files, t[r], what, err, err_len);
+        if (rc) return rc;
+    }
+    if (src->n_parts < 0 || src->n_parts > COLI_MAX_PARTS || (src->n_parts > 0 && !src->parts))
+        return coli_fail(err, err_len, COLI_ECONFIG,
+                         "layer %d expert %d: %d extra parts (0..%d, with a parts array)",
+                         src->layer, src->expert, src->n_parts, (int)COLI_MAX_PARTS);
+    for (int k = 0; k < src->n_parts; k++) {
+        snprintf(what, sizeof what, "layer %d expert %d part %d", src->layer, src->expert, k);
+        if (src->parts[k].nbytes == 0)
+            return coli_fail(err, err_len, COLI_ECONFIG, "%s: empty", what);
+        int rc = check_range(files, src->parts[k].file, src->parts[k].offset, src->parts[k].nbytes,
+                             what, "bytes", err, err_len);
+        if (rc) return rc;
+    }
+    return COLI_OK;
+}
+
 typedef struct {
     int file;
     uint64_t offset, length;
-    int role;                     /* 0..2 gate/up/down */
+    int role;                     /* 0..2 gate/up/down; 3 + k: extra part k */
     bool scales;
 } Range;
 
@@ -175,6 +248,7 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
     memset(plan, 0, sizeof(*plan));
     for (int i = 0; i < 3; i++) {
         const ColiTensorSource *t = roles[i];
+        if (i == 1 && (src->flags & COLI_SOURCE_FUSED_GATE_UP)) continue;  /* up lives in gate */
         r[n++] = (Range){t->file, t->offset, t->nbytes, i, false};
         plan->payload += t->nbytes;
         if (t->scale_format != COLI_SCALE_NONE) {
@@ -182,7 +256,12 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
             plan->payload += t->scale_nbytes;
         }
     }
-    for (int i = 1; i < n; i++) {   /* insertion sort by (file, offset): n <= 6 */
+    for (int k = 0; k < src->n_parts; k++) {
+        r[n++] = (Range){src->parts[k].file, src->parts[k].offset, src->parts[k].nbytes, 3 + k, false};
+        plan->payload += src->parts[k].nbytes;
+    }
+    plan->n_parts = src->n_parts;
+    for (int i = 1; i < n; i++) {   /* insertion sort by (file, offset): n <= COLI_MAX_RUNS */
         Range x = r[i];
         int j = i - 1;
         while (j >= 0 && (r[j].file > x.file || (r[j].file == x.file && r[j].offset > x.offset))) {
@@ -215,7 +294,8 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
         rr->needed = run_end - run_base;
         rr->length = direct ? round_up(rr->needed, COLI_IO_ALIGN) : rr->needed;
         uint64_t at = rr->slot_offset + (r[i].offset - run_base);
-        if (r[i].scales) plan->scales_at[r[i].role] = at;
+        if (r[i].role >= 3) plan->part_at[r[i].role - 3] = at;
+        else if (r[i].scales) plan->scales_at[r[i].role] = at;
         else plan->data_at[r[i].role] = at;
     }
     plan->n_runs = run + 1;

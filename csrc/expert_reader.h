@@ -22,7 +22,7 @@
 #include "lru_store.h"       /* ColiTensorSource, ColiExpertSource */
 
 #define COLI_IO_ALIGN 4096u       /* O_DIRECT alignment of offsets, lengths and buffers */
-#define COLI_MAX_RUNS 6           /* gate, up, down and their scales */
+#define COLI_MAX_RUNS (6 + COLI_MAX_PARTS)  /* gate, up, down, their scales, extra parts */
 
 typedef struct {
     int file;                     /* index into the model's files */
@@ -39,6 +39,8 @@ typedef struct {
     uint64_t payload;             /* bytes of its tensors and scales */
     uint64_t data_at[3];          /* slot offset of gate, up, down data */
     uint64_t scales_at[3];        /* slot offset of their scales */
+    uint64_t part_at[COLI_MAX_PARTS];  /* slot offset of each extra part */
+    int n_parts;                  /* extra parts of the expert */
 } ColiReadPlan;
 
 /* The model's open files. */
@@ -79,7 +81,12 @@ void coli_files_close(ColiFileSet *files);
 int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                       const char *what, char *err, size_t err_len);
 
-/* Builds the read plan of an expert whose sources passed coli_check_tensor. */
+/* Checks every tensor and extra part of an expert (coli_check_tensor for
+ * each present role), its flags and its part count. */
+int coli_check_expert(const ColiFileSet *files, const ColiExpertSource *src,
+                      char *err, size_t err_len);
+
+/* Builds the read plan of an expert that passed coli_check_expert. */
 int coli_plan_expert(const ColiExpertSource *src, bool direct,
                      ColiReadPlan *plan, char *err, size_t err_len);
 

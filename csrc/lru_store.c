@@ -170,17 +170,12 @@ static int build_layers(LsStore *s, const ColiLruConfig *cfg, char *err, size_t 
         LsEntry *e = &L->entries[x->expert];
         if (L->present[x->expert])
             return coli_fail(err, n, COLI_ECONFIG, "layer %d expert %d is listed twice", x->layer, x->expert);
-        char what[96];
-        const ColiTensorSource *t[3] = {&x->gate, &x->up, &x->down};
-        static const char *const names[3] = {"gate", "up", "down"};
-        for (int r = 0; r < 3; r++) {
-            snprintf(what, sizeof what, "layer %d expert %d %s", x->layer, x->expert, names[r]);
-            int rc = coli_check_tensor(&s->files, t[r], what, err, n);
-            if (rc) return rc;
-        }
-        int rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
+        int rc = coli_check_expert(&s->files, x, err, n);
+        if (rc) return rc;
+        rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
         if (rc) return rc;
         e->src = *x;
+        e->src.parts = NULL;          /* the caller's array; the plan has what loads need */
         L->present[x->expert] = true;
     }
     return COLI_OK;
@@ -352,6 +347,7 @@ int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
     uintptr_t lo = UINTPTR_MAX, hi = 0;
     for (int i = 0; i < 3; i++) {
         uintptr_t d = (uintptr_t)t[i]->data, sc = (uintptr_t)t[i]->scales;
+        if (!t[i]->data) continue;    /* up of a fused gate_up */
         if (d < lo) lo = d;
         if (d + t[i]->data_bytes > hi) hi = d + t[i]->data_bytes;
         if (t[i]->scales) {
@@ -362,10 +358,27 @@ int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
     out[0] = lo;
     out[1] = hi - lo;
     for (int i = 0; i < 3; i++) {
-        out[2 + i] = (uintptr_t)t[i]->data - lo;
+        out[2 + i] = t[i]->data ? (uintptr_t)t[i]->data - lo : UINT64_MAX;
         out[5 + i] = t[i]->scales ? (uintptr_t)t[i]->scales - lo : UINT64_MAX;
     }
     return COLI_OK;
+}
+
+int coli_lru_expert_parts(ColiExpertStore *store, int layer, int expert, uint64_t *out, int cap) {
+    LsStore *s = ls_store_of(store);
+    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+    const LsEntry *e = L ? ls_find_entry(L, expert) : NULL;
+    if (!e) return COLI_ENOTFOUND;
+    bool fused = (e->src.flags & COLI_SOURCE_FUSED_GATE_UP) != 0;
+    const ColiTensorSource *t[3] = {&e->src.gate, &e->src.up, &e->src.down};
+    int total = 6 + e->plan.n_parts;
+    for (int i = 0; i < total && i < cap; i++) {
+        if (i < 3) out[i] = i == 1 && fused ? UINT64_MAX : e->plan.data_at[i];
+        else if (i < 6) out[i] = t[i - 3]->scale_format == COLI_SCALE_NONE
+                                     ? UINT64_MAX : e->plan.scales_at[i - 3];
+        else out[i] = e->plan.part_at[i - 6];
+    }
+    return total;
 }
 
 uint64_t coli_lru_active_leases(ColiExpertStore *store) {

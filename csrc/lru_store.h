@@ -60,13 +60,39 @@ typedef struct {
     uint32_t block_columns;
 } ColiTensorSource;
 
-/* One routed expert of the model and where its three tensors are. */
+/* A part of an expert beyond the roles' data and scales (a bias, zero
+ * points): a byte range the store reads into the slot with the rest. */
+typedef struct {
+    int file;                   /* index into ColiLruConfig.files */
+    uint64_t offset;            /* absolute byte offset in the file */
+    uint64_t nbytes;            /* > 0 */
+} ColiPartSource;
+
+enum {
+    COLI_MAX_PARTS = 12,            /* extra parts per expert at most */
+    /* ColiExpertSource.flags */
+    COLI_SOURCE_FUSED_GATE_UP = 1   /* gate holds the fused gate_up; up is absent (all zero) */
+};
+
+/* One routed expert of the model and where its tensors are.
+ *
+ * The fields after down are appended to colibri's struct; a zeroed tail
+ * means what colibri's struct meant. An expert of a fused layout (gpt-oss,
+ * Llama 4) sets COLI_SOURCE_FUSED_GATE_UP, describes the fused tensor as
+ * gate and leaves up zeroed; its leased view then has gate pointing at the
+ * fused tensor and up zeroed (data NULL, 0 x 0). Extra parts are copied at
+ * creation (parts need not outlive coli_lru_store_create) and read into the
+ * slot with the rest; the view of colibri's header has no field for them,
+ * so coli_lru_expert_parts says where each lies in the slot. */
 typedef struct {
     int layer;
     int expert;
     ColiTensorSource gate;
     ColiTensorSource up;
     ColiTensorSource down;
+    uint32_t flags;             /* COLI_SOURCE_* bits; 0 as in colibri */
+    int n_parts;                /* extra parts, 0..COLI_MAX_PARTS */
+    const ColiPartSource *parts;  /* n_parts of them; NULL when n_parts == 0 */
 } ColiExpertSource;
 
 typedef struct {
@@ -166,6 +192,15 @@ int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns);
  * out[0], out[5..7] of their scales (UINT64_MAX when unscaled). Returns
  * COLI_EINVAL (out untouched) for a view that holds no lease. */
 int coli_view_layout(const ColiExpertView *view, uint64_t out[8]);
+
+/* Where every part of an expert lies in its slot: out[0..2] get the slot
+ * offsets of gate, up and down data, out[3..5] of their scales, out[6..]
+ * of the extra parts in the order they were given (UINT64_MAX for a part
+ * the expert has not), at most cap entries. A leased view's gate.data minus
+ * out[0] is the slot's start, so each part's address follows. Returns the
+ * number of entries the expert has (6 + its extra parts), or
+ * COLI_ENOTFOUND for an unknown key. Plans are fixed at creation: no lock. */
+int coli_lru_expert_parts(ColiExpertStore *store, int layer, int expert, uint64_t *out, int cap);
 
 /* Times a prefetch read paused between chunks for a demand read. */
 uint64_t coli_lru_prefetch_pauses(ColiExpertStore *store);

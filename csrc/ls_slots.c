@@ -35,6 +35,7 @@ static void fill_template(ColiExpertView *view, const LsLayer *L, const LsEntry 
     fill_tensor(&view->gate, &e->src.gate, mem, e->plan.data_at[0], e->plan.scales_at[0]);
     fill_tensor(&view->up, &e->src.up, mem, e->plan.data_at[1], e->plan.scales_at[1]);
     fill_tensor(&view->down, &e->src.down, mem, e->plan.data_at[2], e->plan.scales_at[2]);
+    if (e->src.flags & COLI_SOURCE_FUSED_GATE_UP) memset(&view->up, 0, sizeof(view->up));
 }
 
 /* Whatever v held or was loading is gone: v is EMPTY with a new

@@ -32,7 +32,7 @@
 typedef struct {
     PyObject_HEAD
     unsigned long long generation;
-    PyObject *arrays;           /* tuple of 6: gate, up, down and their scales (or None) */
+    PyObject *arrays;           /* tuple: gate, up, down, their scales, then extra parts (or None) */
     PyObject *chain;            /* list of every object through which Python reaches the bytes */
     Py_ssize_t *baseline;       /* Py_REFCNT of each, when the tenancy was made */
     Py_ssize_t n_chain;
@@ -107,8 +107,8 @@ static PyObject *tenancy_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KO!O!O:Tenancy", names, &generation,
                                      &PyTuple_Type, &arrays, &PyList_Type, &chain, &pin))
         return NULL;
-    if (PyTuple_GET_SIZE(arrays) != 6) {
-        PyErr_SetString(PyExc_ValueError, "Tenancy: arrays must hold 6 entries");
+    if (PyTuple_GET_SIZE(arrays) < 6) {
+        PyErr_SetString(PyExc_ValueError, "Tenancy: arrays must hold at least 6 entries");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(chain);
@@ -162,7 +162,8 @@ static void tenancy_dealloc(Tenancy *self) {
 
 static PyMemberDef tenancy_members[] = {
     {"generation", T_ULONGLONG, offsetof(Tenancy, generation), READONLY, "The slot tenancy."},
-    {"arrays", T_OBJECT, offsetof(Tenancy, arrays), READONLY, "gate, up, down and their scales."},
+    {"arrays", T_OBJECT, offsetof(Tenancy, arrays), READONLY,
+     "gate, up, down, their scales, then the extra parts."},
     {"pin", T_OBJECT, offsetof(Tenancy, pin), READONLY, "Referenced by every array's owner."},
     {NULL, 0, 0, 0, NULL},
 };
@@ -711,6 +712,28 @@ static PyObject *lease_part(Lease *self, void *closure) {
     return Py_NewRef(PyTuple_GET_ITEM(self->tenancy->arrays, i));
 }
 
+/* Every array of the lease (gate, up, down, scales, extra parts; None where
+ * absent) in a new tuple: a tuple the caller keeps holds references of its
+ * own to the arrays, which the escape check sees. */
+static PyObject *lease_all_parts(Lease *self, void *Py_UNUSED(closure)) {
+    if (self->released) {
+        PyErr_Format(self->leaser->lease_error, "layer %d expert %d: .parts used after its lease was released",
+                     self->layer, self->expert);
+        return NULL;
+    }
+    if (!self->tenancy) {
+        self->tenancy = tenancies_join(self->leaser->tenancies, (PyObject *)self,
+                                       self->view.lease_generation);
+        if (!self->tenancy) return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(self->tenancy->arrays);
+    PyObject *out = PyTuple_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(out, i, Py_NewRef(PyTuple_GET_ITEM(self->tenancy->arrays, i)));
+    return out;
+}
+
 static PyObject *lease_get_released(Lease *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->released);
 }
@@ -736,6 +759,8 @@ static PyGetSetDef lease_getset[] = {
      "Block scales of gate (fp8 block-scaled checkpoints), else None.", (void *)3},
     {"up_scale", (getter)lease_part, NULL, "Block scales of up, else None.", (void *)4},
     {"down_scale", (getter)lease_part, NULL, "Block scales of down, else None.", (void *)5},
+    {"_all_parts", (getter)lease_all_parts, NULL,
+     "Every array in the C core's order (a new tuple; None where absent).", NULL},
     {"released", (getter)lease_get_released, NULL, "True once release() ran.", NULL},
     {"_generation", (getter)lease_get_generation, NULL, "The slot tenancy leased.", NULL},
     {"_tenancies", (getter)lease_get_tenancies, NULL, "The store's Tenancies.", NULL},

@@ -14,14 +14,30 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* What the formats mean here. rows x columns counts elements, whatever the
+ * packing. The expert store accepts only the formats it has a producer for;
+ * Q8_ROW, Q4_ROW, Q2_ROW and INT8_BLOCK keep their numbers but are refused.
+ *
+ *   F32, F16, BF16, F8_*   plain row-major elements, no scales.
+ *   FP8_E4M3_BLOCK         e4m3 elements; F32 scales, one per block_rows x
+ *                          block_columns block (DeepSeek-V3: 128 x 128).
+ *   FP4_NATIVE_BLOCK       MXFP4: e2m1 elements, two per byte, the low nibble
+ *                          first; UE8M0 scales (2^(byte - 127)), one per
+ *                          1 x 32 block (gpt-oss).
+ *   INT4_BLOCK             int4 elements stored as value + 8, two per byte,
+ *                          the low nibble first (compressed-tensors
+ *                          pack-quantized words, little-endian); F32, BF16 or
+ *                          F16 scales, one per 1 x group block. Zero points,
+ *                          when the checkpoint has them, are an extra part of
+ *                          the expert (see lru_store.h). */
 typedef enum {
     COLI_TENSOR_F32 = 0,
-    COLI_TENSOR_Q8_ROW = 1,
-    COLI_TENSOR_Q4_ROW = 2,
-    COLI_TENSOR_Q2_ROW = 3,
+    COLI_TENSOR_Q8_ROW = 1,         /* refused by the store: nothing produces it */
+    COLI_TENSOR_Q4_ROW = 2,         /* refused */
+    COLI_TENSOR_Q2_ROW = 3,         /* refused */
     COLI_TENSOR_FP8_E4M3_BLOCK = 4,
     COLI_TENSOR_FP4_NATIVE_BLOCK = 5,
-    COLI_TENSOR_INT8_BLOCK = 6,
+    COLI_TENSOR_INT8_BLOCK = 6,     /* refused */
     COLI_TENSOR_INT4_BLOCK = 7,
     /* Appended by this package: plain element types as safetensors stores them. */
     COLI_TENSOR_F16 = 8,
@@ -33,7 +49,10 @@ typedef enum {
 typedef enum {
     COLI_SCALE_NONE = 0,
     COLI_SCALE_F32 = 1,
-    COLI_SCALE_UE8M0 = 2
+    COLI_SCALE_UE8M0 = 2,       /* one byte: the scale is 2^(byte - 127) */
+    /* Appended by this package. */
+    COLI_SCALE_BF16 = 3,
+    COLI_SCALE_F16 = 4
 } ColiScaleFormat;
 
 /* A view never owns its bytes: data and scales point into memory owned by

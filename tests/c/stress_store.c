@@ -180,7 +180,7 @@ int main(int argc, char **argv) {
     static ColiExpertSource src[LAYERS * EXPERTS];
     for (int l = 0; l < LAYERS; l++)
         for (int e = 0; e < EXPERTS; e++)
-            src[l * EXPERTS + e] = (ColiExpertSource){l, e, tensor(l, e, 0), tensor(l, e, 1), tensor(l, e, 2)};
+            src[l * EXPERTS + e] = (ColiExpertSource){l, e, tensor(l, e, 0), tensor(l, e, 1), tensor(l, e, 2), 0, 0, NULL};
     if (destroy_leased) {          /* rule 5: must abort in a build with assertions */
         ColiExpertStore *store = open_store(path, src, 1, 0, 0);
         ColiExpertView v;
