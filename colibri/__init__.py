@@ -22,7 +22,9 @@ from colibri.layouts import Layout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import ExpertLease, LeaseGroup, Store, open_store
+from colibri.replay import ReplayResult, belady, replay
 from colibri.trace import Trace, TraceRecorder
+from colibri.usage import Usage
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,10 @@ __all__ = [
     "PilotReport",
     "Trace",
     "TraceRecorder",
+    "Usage",
+    "replay",
+    "belady",
+    "ReplayResult",
     "ColibriError",
     "UnknownExpertError",
     "ExpertLoadError",
