@@ -22,6 +22,7 @@ from colibri.layouts import Layout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import ExpertLease, LeaseGroup, Store, open_store
+from colibri.plan import Plan, plan
 from colibri.replay import ReplayResult, belady, replay
 from colibri.trace import Trace, TraceRecorder
 from colibri.usage import Usage
@@ -43,6 +44,8 @@ __all__ = [
     "replay",
     "belady",
     "ReplayResult",
+    "plan",
+    "Plan",
     "ColibriError",
     "UnknownExpertError",
     "ExpertLoadError",
