@@ -23,7 +23,10 @@ from colibri.layouts import Layout, StackedLayout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import ExpertLease, LeaseGroup, Store, open_store
+from colibri.plan import Plan, plan
+from colibri.replay import ReplayResult, belady, replay
 from colibri.trace import Trace, TraceRecorder
+from colibri.usage import Usage
 
 __version__ = "0.1.0"
 
@@ -40,6 +43,12 @@ __all__ = [
     "PilotReport",
     "Trace",
     "TraceRecorder",
+    "Usage",
+    "replay",
+    "belady",
+    "ReplayResult",
+    "plan",
+    "Plan",
     "ColibriError",
     "UnknownExpertError",
     "ExpertLoadError",

@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="show the slots per layer a cache of X GiB (2**30 bytes) would give")
     i.add_argument("--json", action="store_true", help="print the description as JSON, for scripts")
     i.set_defaults(func=_inspect)
+    from colibri.tiering_cli import add_commands
+
+    add_commands(sub)  # replay, plan
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

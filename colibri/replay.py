@@ -1,0 +1,300 @@
+"""Replay a routing trace through the store, and Belady's offline optimum.
+
+:func:`replay` feeds a :class:`colibri.Trace` to the same C code a live store
+runs, in a mode that reads no bytes and allocates no slot memory: for every
+token and every layer, one ``lease_many`` of that layer's distinct experts
+(in the order the trace lists them, -1 pads dropped), all released before the
+next, with prefetch off. Its counters are those a live store fed the same
+sequence would show.
+
+:func:`belady` gives the best any cache can do under the same per-layer slot
+budgets and the same rule (a token's experts of a layer are resident
+together, loads happen only on demand): at each miss it evicts, among the
+resident experts the current token does not use, the one used again furthest
+in the future. With a set of k experts per step that must be resident
+together and every load costing the same, this is still exactly optimal in
+misses (the exchange argument of Belady's proof goes through step by step:
+an optimal schedule that evicts y instead of the furthest x can evict x and
+keep y at no extra cost, because y is needed no later than x and nothing the
+step needs is ever a candidate). tests/test_replay.py checks it against a
+brute-force optimum over every schedule on small traces.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Union
+
+import numpy as np
+
+from colibri.errors import FormatError
+from colibri.trace import Trace
+
+__all__ = ["replay", "belady", "ReplayResult", "LayerResult", "resolve_slots", "SlotsSpec"]
+
+SlotsSpec = Union[int, Mapping[int, int]]
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    """Counters of one layer's replay."""
+
+    slots: int
+    requests: int
+    hits: int
+    misses: int
+    evictions: int
+    persistent_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay (or :func:`belady`) counted, in total and per layer
+    (``per_layer`` keyed by the model's layer index). ``persistent_hits``
+    are hits on pinned experts; ``hits - persistent_hits`` are the cache's."""
+
+    policy: str
+    hits: int
+    misses: int
+    requests: int
+    evictions: int
+    persistent_hits: int
+    per_layer: Mapping[int, LayerResult] = field(repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    @property
+    def slots(self) -> dict[int, int]:
+        """Slots per layer the replay ran with."""
+        return {layer: r.slots for layer, r in self.per_layer.items()}
+
+    @classmethod
+    def from_layers(cls, policy: str, per_layer: Mapping[int, LayerResult]) -> "ReplayResult":
+        rows = list(per_layer.values())
+        return cls(
+            policy=policy,
+            hits=sum(r.hits for r in rows),
+            misses=sum(r.misses for r in rows),
+            requests=sum(r.requests for r in rows),
+            evictions=sum(r.evictions for r in rows),
+            persistent_hits=sum(r.persistent_hits for r in rows),
+            per_layer=MappingProxyType(dict(per_layer)),
+        )
+
+
+def _distinct_rows(trace: Trace, column: int) -> list[tuple[int, ...]]:
+    """Each token's distinct experts of one layer column, first occurrence first."""
+    out: list[tuple[int, ...]] = []
+    for row in trace.experts[:, column, :].tolist():
+        out.append(tuple(dict.fromkeys(e for e in row if e >= 0)))
+    return out
+
+
+def resolve_slots(trace: Trace, slots_per_layer: SlotsSpec) -> dict[int, int]:
+    """Slots of every layer of ``trace``: an int for all of them or a mapping
+    from layer to slots covering each layer; capped at ``num_experts``. A
+    layer whose slots cannot hold one token's distinct experts is a
+    FormatError (lease_many would find the cache full)."""
+    layers = trace.layers.tolist()
+    if isinstance(slots_per_layer, Mapping):
+        missing = [l for l in layers if l not in slots_per_layer]
+        if missing:
+            raise FormatError(f"slots_per_layer has no entry for layers {missing}")
+        raw = {l: slots_per_layer[l] for l in layers}
+    else:
+        raw = {l: slots_per_layer for l in layers}
+    out: dict[int, int] = {}
+    widest = _widest(trace)
+    for i, layer in enumerate(layers):
+        value = raw[layer]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise FormatError(f"slots of layer {layer} must be an int, not {type(value).__name__}")
+        n = min(int(value), trace.num_experts)
+        if n < max(widest[i], 1):
+            raise FormatError(
+                f"layer {layer}: {int(value)} slots cannot hold a token's {widest[i]} distinct experts"
+            )
+        out[layer] = n
+    return out
+
+
+def _widest(trace: Trace) -> list[int]:
+    """Per layer column, the most distinct experts one token asks of it."""
+    e = np.sort(trace.experts, axis=2)
+    distinct = (e >= 0) & np.concatenate(
+        [np.ones(e.shape[:2] + (1,), dtype=bool), e[:, :, 1:] != e[:, :, :-1]], axis=2
+    )
+    per = distinct.sum(axis=2)
+    return per.max(axis=0).tolist() if len(trace) else [0] * len(trace.layers)
+
+
+def _pins_by_layer(trace: Trace, pinned: Iterable[tuple[int, int]] | None) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {layer: [] for layer in trace.layers.tolist()}
+    for key in pinned or ():
+        layer, expert = operator.index(key[0]), operator.index(key[1])
+        if layer not in out or not 0 <= expert < trace.num_experts:
+            raise FormatError(f"pinned expert ({layer}, {expert}) is not in the trace's model")
+        if expert not in out[layer]:
+            out[layer].append(expert)
+    return out
+
+
+def replay(
+    trace: Trace,
+    *,
+    slots_per_layer: SlotsSpec,
+    policy: str = "lru",
+    pinned: Iterable[tuple[int, int]] | None = None,
+    usage: Any = None,
+) -> ReplayResult:
+    """Replay ``trace`` through the store's C code with these per-layer
+    budgets, eviction ``policy`` and ``pinned`` experts (a list of
+    ``(layer, expert)``, each taking one slot of its layer). ``usage`` (a
+    :class:`colibri.Usage`, or a Trace whose counts stand for one) seeds the
+    history of policies that use it."""
+    slots = resolve_slots(trace, slots_per_layer)
+    pins = _pins_by_layer(trace, pinned)
+    for layer, experts in pins.items():
+        if len(experts) >= slots[layer]:
+            raise FormatError(
+                f"layer {layer}: {len(experts)} pinned experts leave no slot of its {slots[layer]} for the rest"
+            )
+    from colibri import store as _store
+
+    opener = getattr(_store, "open_replay_store", None)
+    if opener is None:
+        if policy != "lru" or usage is not None:
+            raise FormatError(f"policy {policy!r} needs the store's replay mode, which this build lacks")
+        return _replay_python(trace, slots, pins)
+    return _replay_c(opener, trace, slots, pins, policy, usage)
+
+
+def _replay_c(
+    opener: Any, trace: Trace, slots: dict[int, int], pins: dict[int, list[int]], policy: str, usage: Any
+) -> ReplayResult:
+    layers = trace.layers.tolist()
+    kwargs: dict[str, Any] = dict(expert_nbytes=1, slots_per_layer=slots, policy=policy)
+    pin_list = [(layer, e) for layer in layers for e in pins[layer]]
+    if pin_list:
+        kwargs["pin"] = pin_list
+    if usage is not None:
+        kwargs["usage"] = usage
+    store = opener({layer: trace.num_experts for layer in layers}, **kwargs)
+    try:
+        store.replay_tokens(trace.layers, trace.experts)
+        per = {}
+        for layer in layers:
+            st = store.layer_stats(layer)
+            per[layer] = LayerResult(
+                slots=slots[layer], requests=st.requests, hits=st.hits, misses=st.misses,
+                evictions=st.evictions, persistent_hits=st.persistent_hits,
+            )
+    finally:
+        store.close()
+    return ReplayResult.from_layers(policy, per)
+
+
+def _replay_python(trace: Trace, slots: dict[int, int], pins: dict[int, list[int]]) -> ReplayResult:
+    """Per-layer LRU with lease_many semantics, in Python (used only where
+    the C replay mode is missing)."""
+    per: dict[int, LayerResult] = {}
+    for col, layer in enumerate(trace.layers.tolist()):
+        pinned = set(pins[layer])
+        room = slots[layer] - len(pinned)
+        order: dict[int, None] = {}  # LRU first
+        hits = misses = evictions = persistent = 0
+        for row in _distinct_rows(trace, col):
+            if not row:
+                continue
+            need = 0
+            for e in row:
+                if e in pinned:
+                    hits += 1
+                    persistent += 1
+                elif e in order:
+                    hits += 1
+                else:
+                    misses += 1
+                    need += 1
+            if need:
+                over = len(order) + need - room
+                for victim in list(order):
+                    if over <= 0:
+                        break
+                    if victim not in row:
+                        del order[victim]
+                        evictions += 1
+                        over -= 1
+                if over > 0:
+                    raise FormatError(f"layer {layer}: a token's experts do not fit beside its pins")
+            for e in row:  # released in order: the last one is the most recent
+                if e not in pinned:
+                    order.pop(e, None)
+                    order[e] = None
+        per[layer] = LayerResult(slots[layer], hits + misses, hits, misses, evictions, persistent)
+    return ReplayResult.from_layers("lru", per)
+
+
+def belady(trace: Trace, slots_per_layer: SlotsSpec, *, warm: bool = False) -> ReplayResult:
+    """The fewest misses any cache can have on ``trace`` under these
+    per-layer slot budgets, with lease_many semantics (each token's experts
+    of a layer resident together; loads on demand only).
+
+    It starts empty, like a store without pins (it may keep any expert as
+    long as it likes, so it bounds every eviction policy). ``warm=True``
+    lets it fill every slot for free before the first token, with the
+    experts used soonest (the best such choice): that bounds configurations
+    whose pinned experts are loaded before they are asked for, too."""
+    slots = resolve_slots(trace, slots_per_layer)
+    per: dict[int, LayerResult] = {}
+    for col, layer in enumerate(trace.layers.tolist()):
+        per[layer] = _belady_layer(_distinct_rows(trace, col), slots[layer], trace.num_experts, warm)
+    return ReplayResult.from_layers("belady-warm" if warm else "belady", per)
+
+
+def _belady_layer(rows: list[tuple[int, ...]], capacity: int, num_experts: int, warm: bool) -> LayerResult:
+    n = len(rows)
+    never = n + 1
+    # next_at[t][j]: the next step after t that asks for rows[t][j]
+    next_at: list[list[int]] = [[] for _ in range(n)]
+    upcoming = [never] * num_experts
+    for t in range(n - 1, -1, -1):
+        next_at[t] = [upcoming[e] for e in rows[t]]
+        for e in rows[t]:
+            upcoming[e] = t
+    nxt = [never] * num_experts  # next use of each resident expert
+    resident: set[int] = set()
+    heap: list[tuple[int, int]] = []  # (-next use, expert), stale entries skipped
+    if warm:  # free fill: the experts whose first use comes soonest
+        first = sorted((u, e) for e, u in enumerate(upcoming) if u != never)[:capacity]
+        for u, e in first:
+            resident.add(e)
+            nxt[e] = u
+            heap.append((-u, e))
+        heapq.heapify(heap)
+    hits = misses = evictions = 0
+    for t, row in enumerate(rows):
+        missing = [e for e in row if e not in resident]
+        hits += len(row) - len(missing)
+        misses += len(missing)
+        over = len(resident) + len(missing) - capacity
+        while over > 0:
+            neg, victim = heapq.heappop(heap)
+            if victim in resident and nxt[victim] == -neg and -neg > t:
+                resident.discard(victim)
+                evictions += 1
+                over -= 1
+        for e, after in zip(row, next_at[t]):
+            resident.add(e)
+            nxt[e] = after
+            heapq.heappush(heap, (-after, e))
+    return LayerResult(capacity, hits + misses, hits, misses, evictions, 0)
