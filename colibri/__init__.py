@@ -22,7 +22,7 @@ from colibri.dequant import dequantize
 from colibri.layouts import Layout, StackedLayout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
-from colibri.store import ExpertLease, LeaseGroup, Store, open_store
+from colibri.store import POLICIES, ExpertLease, LeaseGroup, Store, open_store
 from colibri.plan import Plan, plan
 from colibri.replay import ReplayResult, belady, replay
 from colibri.trace import Trace, TraceRecorder
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "open_store",
+    "POLICIES",
     "Store",
     "ExpertLease",
     "LeaseGroup",

@@ -15,7 +15,7 @@ import logging
 import math
 import operator
 import os
-from typing import Any, Callable, Iterable, Literal, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -33,8 +33,16 @@ from colibri.layouts import ROLES, AnyLayout, ExpertTensors, ModelExperts, scan_
 from colibri.safetensors_reader import ModelSource
 from colibri.stats import StoreStats
 
-__all__ = ["open_store", "Store", "ExpertLease", "LeaseGroup", "DEFAULT_SLOTS_PER_LAYER",
-           "AVAILABLE_MEMORY_ENV"]
+__all__ = [
+    "open_store",
+    "open_replay_store",
+    "Store",
+    "ExpertLease",
+    "LeaseGroup",
+    "DEFAULT_SLOTS_PER_LAYER",
+    "AVAILABLE_MEMORY_ENV",
+    "POLICIES",
+]
 
 log = logging.getLogger("colibri")
 
@@ -46,6 +54,20 @@ _U64_MAX = 2 ** (8 * ffi.sizeof("uint64_t")) - 1  # byte settings are uint64_t; 
 #: Environment variable that replaces MemAvailable (bytes) in the rule of
 #: ``direct_io="auto"``: to see what the store would pick on a smaller machine.
 AVAILABLE_MEMORY_ENV = "COLIBRI_AVAILABLE_MEMORY"
+
+
+def _policy_names() -> tuple[str, ...]:
+    names: list[str] = []
+    while (name := lib.coli_lru_policy_name(len(names))) != ffi.NULL:
+        names.append(ffi.string(name).decode())
+    return tuple(names)
+
+
+#: The eviction policies the C core has, by name (``open_store(policy=...)``).
+POLICIES: tuple[str, ...] = _policy_names()
+
+#: Slots of every layer, or of each layer by layer index.
+SlotsPerLayer = Union[int, Mapping[int, int]]
 
 
 def _check(rc: int, err: Any) -> None:
@@ -127,7 +149,7 @@ class Store:
         self,
         model: ModelExperts,
         *,
-        slots_per_layer: int | None,
+        slots_per_layer: SlotsPerLayer | None,
         capacity_bytes: int | None,
         prefetch_workers: int,
         direct_io: bool,
@@ -137,9 +159,15 @@ class Store:
         prefetch_chunk_bytes: int = 0,
         read_chunk_bytes: int = 0,
         read_advice: bool = True,
+        policy: str = "lru",
+        pin: Sequence[tuple[int, int]] = (),
+        replay_expert_nbytes: int | None = None,
     ) -> None:
         self.model = model
         self._closed = False
+        #: True for a replay store (:func:`open_replay_store`): no bytes, no files
+        self.replay = replay_expert_nbytes is not None
+        self.policy = policy
         self._handle = _create_handle(
             model,
             slots_per_layer=slots_per_layer,
@@ -152,8 +180,17 @@ class Store:
             prefetch_chunk_bytes=prefetch_chunk_bytes,
             read_chunk_bytes=read_chunk_bytes,
             read_advice=read_advice,
+            policy=policy,
+            pin=pin,
+            replay_expert_nbytes=replay_expert_nbytes,
         )
         self._ops = self._handle.ops
+        self._lease: Any
+        if self.replay:
+            self._lease = self._no_bytes
+            self.prefetch_workers = 0
+            self._direct = False
+            return
         # Arrays shared by the leases of one slot tenancy; about one cached
         # tenancy per slot is enough to keep every hot expert's arrays.
         self._tenancies = Tenancies(
@@ -220,6 +257,11 @@ class Store:
 
     # -- leases --
 
+    def _no_bytes(self, layer: int, expert: int | Sequence[int]) -> Any:
+        raise LeaseError(
+            f"a replay store holds no expert bytes (layer {layer}): drive it with replay_tokens"
+        )
+
     def lease(self, layer: int, expert: int) -> ExpertLease:
         """Lease one expert (blocking on a miss). Use as a context manager."""
         if self._closed:
@@ -239,7 +281,41 @@ class Store:
         for e in (layer, *wanted):
             if not -_INT_MAX <= e <= _INT_MAX:
                 raise UnknownExpertError(f"layer {layer} has no expert {e}")
+        if self.replay:
+            self._no_bytes(layer, wanted)
         return LeaseGroup(self._leaser.lease_many(layer, wanted))
+
+    def replay_tokens(self, layers: Any, experts: Any) -> None:
+        """Run routing choices through the store in C: for each token ``t``
+        and each ``i``, one ``lease_many`` on layer ``layers[i]`` of the
+        experts ``experts[t, i, :]`` that are >= 0 (repeats dropped), released
+        before the next. ``layers`` is 1-D, ``experts`` has shape (tokens,
+        len(layers), k) with k <= 32; both integer arrays. Counters move as
+        they would for those calls from Python; on a replay store nothing is
+        read. Raises the lookup's error (e.g. CacheFullError when a token asks
+        more distinct experts of a layer than fit) naming token and layer.
+        """
+        self._check_open()
+        lay = _int32_array(layers, "layers", 1)
+        ex = _int32_array(experts, "experts", 3)
+        if ex.shape[1] != lay.shape[0]:
+            raise FormatError(
+                f"experts has shape {ex.shape}: its second axis must match the {lay.shape[0]} layers"
+            )
+        if ex.shape[2] > 32:
+            raise FormatError(f"experts has k={ex.shape[2]} per token and layer; at most 32")
+        err = ffi.new("char[]", _ERR_LEN)
+        rc = lib.coli_lru_replay(
+            self._handle,
+            ffi.cast("int *", ffi.from_buffer(lay)),
+            lay.shape[0],
+            ffi.cast("int32_t *", ffi.from_buffer(ex)),
+            ex.shape[0],
+            ex.shape[2],
+            err,
+            _ERR_LEN,
+        )
+        _check(rc, err)
 
     # -- prefetch --
 
@@ -302,6 +378,33 @@ class Store:
         self._ops.stats(self._handle, out)
         return StoreStats.from_c(out, prefetch_pauses=int(lib.coli_lru_prefetch_pauses(self._handle)))
 
+    def layer_stats(self, layer: int) -> StoreStats:
+        """A snapshot of ``layer``'s counters (``capacity_bytes``: its slots;
+        ``peak_inflight`` and ``prefetch_pauses`` are store-wide, so 0 here)."""
+        self.num_experts(layer)
+        out = ffi.new("ColiExpertStoreStats *")
+        if lib.coli_lru_layer_stats(self._handle, layer, out) != 0:  # pragma: no cover - checked above
+            raise UnknownExpertError(f"layer {layer} has no routed experts")
+        return StoreStats.from_c(out, prefetch_pauses=0)
+
+    def expert_requests(self, layer: int) -> np.ndarray:
+        """Requests of each expert of ``layer`` since the store opened (they
+        sum to the layer's ``requests``), indexed by expert."""
+        n = self.num_experts(layer)
+        out = np.zeros(n, dtype=np.uint64)
+        lib.coli_lru_expert_requests(self._handle, layer, ffi.cast("uint64_t *", ffi.from_buffer(out)), n)
+        return out
+
+    @property
+    def pinned(self) -> tuple[tuple[int, int], ...]:
+        """The pinned experts, as (layer, expert), by layer and expert. A pin
+        whose load failed is dropped from it (its slot serves the layer's LRU)."""
+        self._check_open()
+        n = int(lib.coli_lru_pinned(self._handle, ffi.NULL, 0))
+        keys = ffi.new("ColiExpertKey[]", max(n, 1))
+        n = min(n, int(lib.coli_lru_pinned(self._handle, keys, n)))
+        return tuple((int(keys[i].layer), int(keys[i].expert)) for i in range(n))
+
     def _inject_read_fault(self, nth: int, errno_value: int) -> None:
         """Test hook: make the nth read from now fail with errno_value (0 disarms)."""
         self._check_open()
@@ -324,7 +427,8 @@ class Store:
         err = ffi.new("char[]", _ERR_LEN)
         _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
-        self._tenancies.clear()  # their addresses point into freed slot memory now
+        if not self.replay:
+            self._tenancies.clear()  # their addresses point into freed slot memory now
 
     def __enter__(self) -> "Store":
         return self
@@ -341,6 +445,41 @@ class Store:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.layers)} layers"
         return f"<colibri.Store {self.model.layout} {state}>"
+
+
+def _int32_array(value: Any, name: str, ndim: int) -> np.ndarray:
+    """value as a C-contiguous int32 array of ndim dimensions (FormatError if
+    it is not an integer array of that shape or a value does not fit)."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"{name} must be an integer array: {exc}") from exc
+    if arr.ndim != ndim:
+        raise FormatError(f"{name} must have {ndim} dimension(s), not shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise FormatError(f"{name} must hold integers, not {arr.dtype}")
+    if arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) > _INT_MAX):
+        raise FormatError(f"{name} holds values outside the 32-bit range")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class _NoTensors(Mapping[int, Any]):
+    """The experts 0..n-1 of a replay store's layer: counted, no tensors."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __getitem__(self, expert: int) -> Any:
+        raise KeyError(expert)
+
+    def get(self, expert: int, default: Any = None) -> Any:
+        return default
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._n))
+
+    def __len__(self) -> int:
+        return self._n
 
 
 def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
@@ -419,7 +558,7 @@ def _destroy_handle(handle: Any) -> None:
 def _create_handle(
     model: ModelExperts,
     *,
-    slots_per_layer: int | None,
+    slots_per_layer: SlotsPerLayer | None,
     capacity_bytes: int | None,
     prefetch_workers: int,
     direct_io: bool,
@@ -429,14 +568,22 @@ def _create_handle(
     prefetch_chunk_bytes: int,
     read_chunk_bytes: int,
     read_advice: bool,
+    policy: str,
+    pin: Sequence[tuple[int, int]],
+    replay_expert_nbytes: int | None,
 ) -> Any:
     keys = list(model.keys())
     sources = ffi.new("ColiExpertSource[]", len(keys))
     keep: list[Any] = []  # extra parts' arrays, alive until the store copied them
     for i, (layer, expert) in enumerate(keys):
-        ex = model.expert(layer, expert)
         src = sources[i]
         src.layer, src.expert = layer, expert
+        if replay_expert_nbytes is not None:
+            # Never read: the bytes only size the slots and count bytes_read.
+            src.gate.nbytes = replay_expert_nbytes
+            src.up.offset = src.down.offset = replay_expert_nbytes
+            continue
+        ex = model.expert(layer, expert)
         for role in ROLES:
             _fill_source(getattr(src, role), ex, role)
         if ex.fused:
@@ -454,8 +601,18 @@ def _create_handle(
     cfg.n_files = len(paths)
     cfg.experts = sources
     cfg.n_experts = len(keys)
-    cfg.slots_per_layer = slots_per_layer or 0
+    if isinstance(slots_per_layer, Mapping):
+        layer_slots = ffi.new("uint32_t[]", [slots_per_layer[layer] for layer in model.layers])
+        cfg.layer_slots = layer_slots
+        cfg.n_layer_slots = len(model.layers)
+    else:
+        cfg.slots_per_layer = slots_per_layer or 0
     cfg.capacity_bytes = capacity_bytes or 0
+    cfg.policy = POLICIES.index(policy)
+    pinned = ffi.new("ColiExpertKey[]", list(pin)) if pin else ffi.NULL
+    cfg.pinned = pinned
+    cfg.n_pinned = len(pin)
+    cfg.replay = int(replay_expert_nbytes is not None)
     cfg.prefetch_workers = prefetch_workers
     cfg.prefetch_queue_depth = prefetch_queue_depth
     cfg.direct_io = int(bool(direct_io))
@@ -494,7 +651,7 @@ def _available_memory() -> int | None:
     return None
 
 
-def _auto_direct_io(model: ModelExperts, slots_per_layer: int | None,
+def _auto_direct_io(model: ModelExperts, slots_per_layer: SlotsPerLayer | None,
                     capacity_bytes: int | None) -> tuple[bool, str]:
     """The choice of ``direct_io="auto"`` and why: O_DIRECT when the routed
     experts are larger than the memory left for the page cache once the
@@ -504,7 +661,8 @@ def _auto_direct_io(model: ModelExperts, slots_per_layer: int | None,
         store = capacity_bytes
     else:
         slots = slots_per_layer or DEFAULT_SLOTS_PER_LAYER
-        store = sum(min(slots, model.num_experts(l)) * model.expert_nbytes(l) for l in model.layers)
+        store = sum(min(slots[l] if isinstance(slots, Mapping) else slots, model.num_experts(l))
+                    * model.expert_nbytes(l) for l in model.layers)
     available = _available_memory()
     if available is None:
         return False, "available memory unknown (no MemAvailable): reading through the page cache"
@@ -516,19 +674,62 @@ def _auto_direct_io(model: ModelExperts, slots_per_layer: int | None,
     )
 
 
-def _count(value: Any, name: str, *, minimum: int) -> int:
+def _count(value: Any, name: str, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FormatError(f"{name} must be an int, not {type(value).__name__}")
     if value < minimum:
         raise FormatError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise FormatError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def _slots(value: SlotsPerLayer, layers: Sequence[int]) -> SlotsPerLayer:
+    """slots_per_layer checked: an int >= 1, or a mapping that gives every
+    layer of the model (and no other) an int >= 1."""
+    if not isinstance(value, Mapping):
+        return _count(value, "slots_per_layer", minimum=1, maximum=2**32 - 1)
+    missing = [layer for layer in layers if layer not in value]
+    unknown = [layer for layer in value if layer not in layers]
+    if unknown:
+        raise FormatError(
+            f"slots_per_layer names layers without routed experts: {sorted(unknown, key=str)[:8]} "
+            f"(layers: {list(layers)[:8]}{'...' if len(layers) > 8 else ''})"
+        )
+    if missing:
+        raise FormatError(f"slots_per_layer gives no slots to layers {missing[:8]}"
+                          f"{'...' if len(missing) > 8 else ''}")
+    return {layer: _count(value[layer], f"slots_per_layer[{layer}]", minimum=1, maximum=2**32 - 1)
+            for layer in layers}
+
+
+def _policy(value: Any) -> str:
+    if value not in POLICIES:
+        raise FormatError(f"unknown policy {value!r}; colibri has {', '.join(POLICIES)}")
+    return str(value)
+
+
+def _pins(value: Iterable[tuple[int, int]] | None) -> tuple[tuple[int, int], ...]:
+    if value is None:
+        return ()
+    out: list[tuple[int, int]] = []
+    for key in value:
+        try:
+            layer, expert = key
+            layer, expert = operator.index(layer), operator.index(expert)
+        except (TypeError, ValueError) as exc:
+            raise FormatError(f"pin takes (layer, expert) pairs of ints, not {key!r}") from exc
+        if not (0 <= layer <= _INT_MAX and 0 <= expert <= _INT_MAX):
+            raise FormatError(f"pinned expert {expert} of layer {layer} is not in the model")
+        out.append((layer, expert))
+    return tuple(out)
 
 
 def open_store(
     path: Union[ModelSource, Sequence[ModelSource]],
     *,
     layout: Union[str, AnyLayout] = "auto",
-    slots_per_layer: int | None = None,
+    slots_per_layer: SlotsPerLayer | None = None,
     capacity_bytes: int | None = None,
     prefetch_workers: int = 2,
     direct_io: Union[bool, Literal["auto"]] = "auto",
@@ -538,14 +739,24 @@ def open_store(
     prefetch_chunk_bytes: int = 0,
     read_chunk_bytes: int = 0,
     read_advice: bool = True,
+    policy: str = "lru",
+    pin: Iterable[tuple[int, int]] | None = None,
 ) -> Store:
-    """Open a model's routed experts as a leased, per-layer LRU cache.
+    """Open a model's routed experts as a leased, per-layer cache.
 
     ``path`` is a model directory (one file, or shards with
     ``model.safetensors.index.json``), one ``.safetensors`` file, or a list of
     them. Give at most one budget: ``slots_per_layer`` (capped at each layer's
-    expert count) or ``capacity_bytes`` (split evenly across layers); with
-    neither, every layer gets ``DEFAULT_SLOTS_PER_LAYER`` slots.
+    expert count; an int for every layer, or a mapping from each layer to its
+    slots) or ``capacity_bytes`` (split evenly across layers); with neither,
+    every layer gets ``DEFAULT_SLOTS_PER_LAYER`` slots. ``policy`` (one of
+    ``POLICIES``; "lru" by default) chooses each layer's victims. ``pin``
+    lists (layer, expert) pairs kept resident for good: each takes one of its
+    layer's slots (pinned plus the rest never exceed the budget; a layer
+    cannot pin all its slots unless they hold all its experts), they load in
+    the background after open (in open itself with no prefetch workers), and
+    their hits count as ``persistent_hits``, all others as
+    ``transient_hits``.
     ``prefetch_workers`` I/O threads serve ``prefetch`` (0 turns it off).
     ``slot_wait_timeout`` is how long (seconds; None = forever) a lookup waits
     when every slot of its layer is leased before CacheFullError.
@@ -575,8 +786,6 @@ def open_store(
     """
     if slots_per_layer is not None and capacity_bytes is not None:
         raise FormatError("give slots_per_layer or capacity_bytes, not both")
-    if slots_per_layer is not None:
-        slots_per_layer = _count(slots_per_layer, "slots_per_layer", minimum=1)
     if capacity_bytes is not None:
         capacity_bytes = _count(capacity_bytes, "capacity_bytes", minimum=1)
     if slots_per_layer is None and capacity_bytes is None:
@@ -588,7 +797,13 @@ def open_store(
     if direct_io != "auto" and not isinstance(direct_io, bool):
         raise FormatError(f'direct_io must be True, False or "auto", not {direct_io!r}')
     _nanoseconds(slot_wait_timeout)  # refuse a bad timeout before reading any file
+    policy = _policy(policy)
+    pins = _pins(pin)
+    if slots_per_layer is not None and not isinstance(slots_per_layer, Mapping):
+        slots_per_layer = _slots(slots_per_layer, ())
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
+    if slots_per_layer is not None:
+        slots_per_layer = _slots(slots_per_layer, model.layers)
     if direct_io == "auto":
         direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
         log.info("direct_io=auto: %s", why)
@@ -606,7 +821,51 @@ def open_store(
         prefetch_chunk_bytes=min(prefetch_chunk_bytes, _U64_MAX),
         read_chunk_bytes=min(read_chunk_bytes, _U64_MAX),
         read_advice=bool(read_advice),
+        policy=policy,
+        pin=pins,
     )
     if direct_io is True and not store.direct_io:
         log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
     return store
+
+
+def open_replay_store(
+    num_experts: Mapping[int, int],
+    *,
+    slots_per_layer: SlotsPerLayer,
+    expert_nbytes: int = 1,
+    policy: str = "lru",
+    pin: Iterable[tuple[int, int]] | None = None,
+    slot_wait_timeout: float | None = 5.0,
+) -> Store:
+    """A replay store: the C store of :func:`open_store`, for a model of
+    ``num_experts[layer]`` experts per layer of ``expert_nbytes`` bytes each,
+    that opens no file, allocates no slot memory and reads nothing. Its
+    lookups, evictions and counters are those of a live store fed the same
+    calls (``bytes_read`` counts what reads would bring), so
+    :meth:`Store.replay_tokens` measures a budget, policy and pins on a
+    routing trace at millions of lookups a second. Pins are resident at
+    once. Its ``lease`` and ``lease_many`` raise LeaseError: there are no
+    bytes to lend.
+    """
+    if not isinstance(num_experts, Mapping) or not num_experts:
+        raise FormatError("num_experts must be a non-empty mapping from layer to expert count")
+    experts: dict[int, Mapping[int, Any]] = {}
+    for layer in sorted(num_experts):
+        _count(layer, "a layer index", minimum=0, maximum=1_000_000)
+        n = _count(num_experts[layer], f"num_experts[{layer}]", minimum=1, maximum=1_000_001)
+        experts[layer] = _NoTensors(n)
+    expert_nbytes = _count(expert_nbytes, "expert_nbytes", minimum=1, maximum=1 << 40)
+    model = ModelExperts(files=(), layout="replay", experts=experts)
+    _nanoseconds(slot_wait_timeout)
+    return Store(
+        model,
+        slots_per_layer=_slots(slots_per_layer, model.layers),
+        capacity_bytes=None,
+        prefetch_workers=0,
+        direct_io=False,
+        slot_wait_timeout=slot_wait_timeout,
+        policy=_policy(policy),
+        pin=_pins(pin),
+        replay_expert_nbytes=expert_nbytes,
+    )

@@ -67,8 +67,8 @@ typedef struct {
     uint64_t resident_bytes;    /* bytes of experts resident now */
     uint64_t capacity_bytes;    /* the budget; resident_bytes <= capacity_bytes */
     /* appended by this package */
-    uint64_t persistent_hits;   /* hits served by a pinned tier (none yet: 0) */
-    uint64_t transient_hits;    /* hits served by the LRU */
+    uint64_t persistent_hits;   /* hits served by pinned experts */
+    uint64_t transient_hits;    /* every other hit: hits = persistent + transient */
     uint64_t inflight_joins;    /* lookups that waited for a load in flight */
     uint64_t loads_started;     /* demand and prefetch loads started */
     uint64_t loads_failed;      /* loads that ended in an error */

@@ -16,35 +16,48 @@
 
 #include "lru_test_hooks.h"
 
+/* Adds layer L's counters to out. */
+static void add_layer_stats(LsLayer *L, ColiExpertStoreStats *out) {
+    pthread_mutex_lock(&L->mu);
+    out->requests += L->c.requests;
+    out->hits += L->c.hits;
+    out->misses += L->c.misses;
+    out->prefetched += L->c.prefetched;
+    out->prefetch_hits += L->c.prefetch_hits;
+    out->bytes_read += L->c.bytes_read;
+    out->resident_bytes += L->resident_bytes;
+    out->capacity_bytes += (uint64_t)L->n_slots * L->slot_bytes;
+    out->inflight_joins += L->c.inflight_joins;
+    out->loads_started += L->c.loads_started;
+    out->loads_failed += L->c.loads_failed;
+    out->evictions += L->c.evictions;
+    out->slot_waits += L->c.slot_waits;
+    out->persistent_hits += L->c.persistent_hits;
+    out->transient_hits += L->c.hits - L->c.persistent_hits;
+    pthread_mutex_unlock(&L->mu);
+}
+
 static void ls_stats_op(ColiExpertStore *store, ColiExpertStoreStats *out) {
     LsStore *s = ls_store_of(store);
     if (!out) return;
     memset(out, 0, sizeof(*out));
     if (!s) return;
-    for (int i = 0; i < s->n_layers; i++) {
-        LsLayer *L = &s->layers[i];
-        pthread_mutex_lock(&L->mu);
-        out->requests += L->c.requests;
-        out->hits += L->c.hits;
-        out->misses += L->c.misses;
-        out->prefetched += L->c.prefetched;
-        out->prefetch_hits += L->c.prefetch_hits;
-        out->bytes_read += L->c.bytes_read;
-        out->resident_bytes += L->resident_bytes;
-        out->capacity_bytes += (uint64_t)L->n_slots * L->slot_bytes;
-        out->inflight_joins += L->c.inflight_joins;
-        out->loads_started += L->c.loads_started;
-        out->loads_failed += L->c.loads_failed;
-        out->evictions += L->c.evictions;
-        out->slot_waits += L->c.slot_waits;
-        pthread_mutex_unlock(&L->mu);
-    }
-    out->transient_hits = out->hits;   /* no pinned tier: every hit is the LRU's */
-    out->persistent_hits = 0;
+    for (int i = 0; i < s->n_layers; i++) add_layer_stats(&s->layers[i], out);
     out->peak_inflight = atomic_load(&s->peak_inflight);
 }
 
+int coli_lru_layer_stats(ColiExpertStore *store, int layer, ColiExpertStoreStats *out) {
+    LsStore *s = ls_store_of(store);
+    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+    if (!out) return COLI_EINVAL;
+    memset(out, 0, sizeof(*out));
+    if (!L) return COLI_ENOTFOUND;
+    add_layer_stats(L, out);
+    return COLI_OK;
+}
+
 static void free_store(LsStore *s) {
+    atomic_store(&s->stopping, 1);       /* pin jobs end */
     if (s->gate_ready) ls_set_hold(s, 0);   /* a held read would keep the pool from stopping */
     coli_pool_stop(&s->pool);
     for (int i = 0; i < s->n_layers; i++) {
@@ -58,7 +71,9 @@ static void free_store(LsStore *s) {
         free(L->entries);
         free(L->present);
         free(L->slot_of);
+        free(L->requests_of);
     }
+    free(s->pins);
     free(s->layers);
     free(s->by_id);
     coli_files_close(&s->files);
@@ -157,8 +172,9 @@ static int build_layers(LsStore *s, const ColiLruConfig *cfg, char *err, size_t 
         L->entries = calloc((size_t)L->n_entries, sizeof(LsEntry));
         L->present = calloc((size_t)L->n_entries, sizeof(bool));
         L->slot_of = calloc((size_t)L->n_entries, sizeof(LsSlot *));
+        L->requests_of = calloc((size_t)L->n_entries, sizeof(uint64_t));
         s->by_id[id] = L;
-        if (!L->entries || !L->present || !L->slot_of) {
+        if (!L->entries || !L->present || !L->slot_of || !L->requests_of) {
             free(max_expert);
             return coli_fail(err, n, COLI_ENOMEM, "out of memory for layer %d", id);
         }
@@ -170,7 +186,7 @@ static int build_layers(LsStore *s, const ColiLruConfig *cfg, char *err, size_t 
         LsEntry *e = &L->entries[x->expert];
         if (L->present[x->expert])
             return coli_fail(err, n, COLI_ECONFIG, "layer %d expert %d is listed twice", x->layer, x->expert);
-        int rc = coli_check_expert(&s->files, x, err, n);
+        int rc = s->replay ? COLI_OK : coli_check_expert(&s->files, x, err, n);   /* no files */
         if (rc) return rc;
         rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
         if (rc) return rc;
@@ -183,7 +199,7 @@ static int build_layers(LsStore *s, const ColiLruConfig *cfg, char *err, size_t 
 
 #define HUGE_PAGE (2u << 20)
 
-/* LsSlot memory of one layer, page aligned for O_DIRECT. Arenas of 2 MiB or
+/* Slot memory of one layer, page aligned for O_DIRECT. Arenas of 2 MiB or
  * more are 2 MiB aligned and advised to use transparent huge pages, so a
  * fresh cache does not take a page fault per 4 KiB on its first reads.
  * NULL when out of memory. */
@@ -199,8 +215,12 @@ static unsigned char *alloc_arena(size_t bytes) {
     return arena;
 }
 
-/* Decides every layer's slot count and allocates slots and arenas. */
+/* Decides every layer's slot count and allocates slots and arenas (none
+ * for a replay store). */
 static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+    if (cfg->layer_slots && cfg->n_layer_slots != s->n_layers)
+        return coli_fail(err, n, COLI_ECONFIG, "layer_slots gives %d slot counts for %d layers",
+                         cfg->n_layer_slots, s->n_layers);
     uint64_t per_layer_budget = cfg->slots_per_layer ? 0 : cfg->capacity_bytes / (uint64_t)s->n_layers;
     for (int i = 0; i < s->n_layers; i++) {
         LsLayer *L = &s->layers[i];
@@ -213,6 +233,11 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
         }
         L->slot_bytes = (footprint + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
         uint64_t slots = cfg->slots_per_layer ? cfg->slots_per_layer : per_layer_budget / L->slot_bytes;
+        if (cfg->layer_slots) {
+            slots = cfg->layer_slots[i];
+            if (slots == 0)
+                return coli_fail(err, n, COLI_ECONFIG, "layer_slots gives layer %d no slot", L->id);
+        }
         if (slots == 0)
             return coli_fail(err, n, COLI_ECONFIG,
                              "capacity_bytes %llu is too small: layer %d needs %llu bytes for one slot "
@@ -226,20 +251,20 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
         if (__builtin_mul_overflow(L->slot_bytes, slots, &arena_bytes) || arena_bytes > SIZE_MAX)
             return coli_fail(err, n, COLI_ENOMEM, "layer %d: %llu slots of %llu bytes overflow",
                              L->id, (unsigned long long)slots, (unsigned long long)L->slot_bytes);
-        unsigned char *arena = alloc_arena((size_t)arena_bytes);
-        if (!arena)
+        unsigned char *arena = s->replay ? NULL : alloc_arena((size_t)arena_bytes);
+        if (!arena && !s->replay)
             return coli_fail(err, n, COLI_ENOMEM, "cannot allocate %llu bytes for the %d slots of layer %d",
                              (unsigned long long)arena_bytes, L->n_slots, L->id);
         L->arena = arena;
         L->slots = calloc((size_t)L->n_slots, sizeof(LsSlot));
         if (!L->slots)
             return coli_fail(err, n, COLI_ENOMEM, "out of memory for the slots of layer %d", L->id);
-        L->policy = &ls_policy_lru;
+        L->policy = ls_policies[cfg->policy];
         L->list.next = L->list.prev = &L->list;
         for (int j = 0; j < L->n_slots; j++) {
             LsSlot *v = &L->slots[j];
             v->layer = L;
-            v->mem = L->arena + (size_t)j * L->slot_bytes;
+            v->mem = L->arena ? L->arena + (size_t)j * L->slot_bytes : NULL;
             v->expert = -1;
             v->state = LS_EMPTY;
             v->generation = ls_next_generation(s);   /* never 0: a zeroed view never matches */
@@ -251,17 +276,56 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
     return COLI_OK;
 }
 
+/* Gives every pinned expert a slot of its layer, QUEUED for ls_load_pins. */
+static int build_pins(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+    if (cfg->n_pinned < 0 || (cfg->n_pinned > 0 && !cfg->pinned))
+        return coli_fail(err, n, COLI_ECONFIG, "config pins %d experts from a NULL list", cfg->n_pinned);
+    if (cfg->n_pinned == 0) return COLI_OK;
+    s->pins = calloc((size_t)cfg->n_pinned, sizeof(LsSlot *));
+    if (!s->pins) return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d pins", cfg->n_pinned);
+    for (int i = 0; i < cfg->n_pinned; i++) {
+        ColiExpertKey key = cfg->pinned[i];
+        LsLayer *L = ls_find_layer(s, key.layer);
+        LsEntry *e = L ? ls_find_entry(L, key.expert) : NULL;
+        if (!e)
+            return coli_fail(err, n, COLI_ECONFIG, "pinned expert %d of layer %d is not in the model",
+                             key.expert, key.layer);
+        if (L->slot_of[key.expert])
+            return coli_fail(err, n, COLI_ECONFIG, "expert %d of layer %d is pinned twice",
+                             key.expert, key.layer);
+        if (L->n_pinned == L->n_slots)
+            return coli_fail(err, n, COLI_ECONFIG, "layer %d pins more experts than its %d slots",
+                             L->id, L->n_slots);
+        ls_slot_pin(s, L, ls_victim(L), e, key.expert);   /* every slot is EMPTY yet */
+        s->pins[s->n_pins++] = L->slot_of[key.expert];
+    }
+    for (int i = 0; i < s->n_layers; i++) {
+        LsLayer *L = &s->layers[i];
+        int present = 0;
+        for (int x = 0; x < L->n_entries; x++) present += L->present[x];
+        if (L->n_pinned == L->n_slots && L->n_pinned < present)
+            return coli_fail(err, n, COLI_ECONFIG,
+                             "layer %d pins all its %d slots, leaving none for its other %d experts",
+                             L->id, L->n_slots, present - L->n_pinned);
+    }
+    return COLI_OK;
+}
+
 int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char *err, size_t n) {
     if (!out) return coli_fail(err, n, COLI_EINVAL, "create: out is NULL");
     *out = NULL;
     if (!cfg) return coli_fail(err, n, COLI_EINVAL, "create: config is NULL");
     if (cfg->n_experts <= 0 || !cfg->experts)
         return coli_fail(err, n, COLI_ECONFIG, "config lists no experts");
-    if (cfg->slots_per_layer == 0 && cfg->capacity_bytes == 0)
-        return coli_fail(err, n, COLI_ECONFIG, "config sets neither slots_per_layer nor capacity_bytes");
+    if (cfg->slots_per_layer == 0 && cfg->capacity_bytes == 0 && !cfg->layer_slots)
+        return coli_fail(err, n, COLI_ECONFIG,
+                         "config sets neither slots_per_layer nor capacity_bytes nor layer_slots");
+    if (cfg->policy < 0 || !coli_lru_policy_name(cfg->policy))
+        return coli_fail(err, n, COLI_ECONFIG, "unknown eviction policy %d", cfg->policy);
     LsStore *s = calloc(1, sizeof(LsStore));
     if (!s) return coli_fail(err, n, COLI_ENOMEM, "out of memory for the store");
-    s->direct = cfg->direct_io != 0;
+    s->replay = cfg->replay != 0;
+    s->direct = cfg->direct_io != 0 && !s->replay;
     s->wait_timeout_ns = cfg->slot_wait_timeout_ns;
     s->demand_first = cfg->prefetch_never_pauses == 0;
     uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes : LS_DEFAULT_PREFETCH_CHUNK;
@@ -269,14 +333,17 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
     s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
     int rc = init_gate(s, err, n);
-    if (rc == COLI_OK) rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
-    if (rc == COLI_OK)
-        coli_files_tune(&s->files, cfg->read_chunk_bytes ? cfg->read_chunk_bytes : COLI_DEFAULT_READ_CHUNK,
-                        cfg->read_without_advice == 0);
+    if (rc == COLI_OK && !s->replay) {
+        rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
+        if (rc == COLI_OK)
+            coli_files_tune(&s->files, cfg->read_chunk_bytes ? cfg->read_chunk_bytes : COLI_DEFAULT_READ_CHUNK,
+                            cfg->read_without_advice == 0);
+    }
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
+    if (rc == COLI_OK) rc = build_pins(s, cfg, err, n);
     if (rc == COLI_OK)
-        rc = coli_pool_start(&s->pool, cfg->prefetch_workers,
+        rc = coli_pool_start(&s->pool, s->replay ? 0 : cfg->prefetch_workers,
                              cfg->prefetch_queue_depth ? cfg->prefetch_queue_depth : LS_DEFAULT_QUEUE_DEPTH,
                              ls_run_job, s, err, n);
     if (rc != COLI_OK) {
@@ -285,6 +352,7 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     }
     s->base.ops = &ls_ops;
     s->base.state = s;
+    ls_load_pins(s);
     *out = &s->base;
     return COLI_OK;
 }
@@ -306,6 +374,7 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
                                   "cannot close the store: %llu calls are in progress in other threads",
                                   (unsigned long long)calls);
     }
+    atomic_store(&s->stopping, 1);   /* pin jobs end after the pin they load */
     ls_set_hold(s, 0);
     coli_pool_stop(&s->pool);     /* queued prefetches are dropped, running reads end first */
     for (int i = 0; i < s->n_layers; i++) {
@@ -424,3 +493,37 @@ static const ColiLeaseEntryPoints LEASE_ENTRY_POINTS = {
 };
 
 const ColiLeaseEntryPoints *coli_lease_entry_points(void) { return &LEASE_ENTRY_POINTS; }
+
+const char *coli_lru_policy_name(int policy) {
+    for (int i = 0; ls_policies[i]; i++)
+        if (i == policy) return ls_policies[i]->name;
+    return NULL;
+}
+
+int coli_lru_expert_requests(ColiExpertStore *store, int layer, uint64_t *out, int n) {
+    LsStore *s = ls_store_of(store);
+    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+    if (out && n > 0) memset(out, 0, sizeof(*out) * (size_t)n);
+    if (!L) return 0;
+    pthread_mutex_lock(&L->mu);
+    for (int e = 0; out && e < n && e < L->n_entries; e++) out[e] = L->requests_of[e];
+    pthread_mutex_unlock(&L->mu);
+    return L->n_entries;
+}
+
+int coli_lru_pinned(ColiExpertStore *store, ColiExpertKey *out, int n) {
+    LsStore *s = ls_store_of(store);
+    int total = 0;
+    for (int i = 0; s && i < s->n_layers; i++) {
+        LsLayer *L = &s->layers[i];
+        pthread_mutex_lock(&L->mu);
+        for (int e = 0; e < L->n_entries; e++) {   /* by expert: the order the header promises */
+            const LsSlot *v = L->slot_of[e];
+            if (!v || !v->pinned) continue;
+            if (out && total < n) out[total] = (ColiExpertKey){L->id, e};
+            total++;
+        }
+        pthread_mutex_unlock(&L->mu);
+    }
+    return total;
+}

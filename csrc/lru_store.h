@@ -117,9 +117,39 @@ typedef struct {
     uint64_t read_chunk_bytes;
     int read_without_advice;        /* nonzero: buffered reads leave the kernel's readahead on
                                      * and give no POSIX_FADV_WILLNEED (for comparisons) */
+    /* Appended for per-layer budgets, policies, pins and replay. */
+    const uint32_t *layer_slots;    /* NULL, or n_layer_slots (> 0 each): the slots of every MoE
+                                     * layer in ascending layer-id order; overrides slots_per_layer
+                                     * and capacity_bytes */
+    int n_layer_slots;              /* must equal the number of layers when layer_slots is set */
+    int policy;                     /* a COLI_POLICY_* value: how each layer chooses its victim */
+    const ColiExpertKey *pinned;    /* experts kept resident, never evicted (see below) */
+    int n_pinned;
+    int replay;                     /* nonzero: a replay store (see below) */
 } ColiLruConfig;
 
 #define COLI_DEFAULT_READ_CHUNK (256u << 10)
+
+/* Eviction policies (coli_lru_policy_name gives each one's name). */
+enum {
+    COLI_POLICY_LRU = 0             /* least recently used */
+};
+
+/* PINNED EXPERTS. Each pinned expert takes one slot out of its layer's
+ * budget for good: pinned + evictable slots = the layer's slots. A layer may
+ * pin all its slots only when they hold all its experts. The pins are loaded
+ * after create returns: by the I/O workers (paced like prefetches: demand
+ * reads go first), or, with no workers, by create itself. A lookup of a pin
+ * still loading joins or takes over its load. Hits on pinned slots count as
+ * persistent_hits, every other hit as a transient hit. A pin whose load
+ * fails is dropped: its slot joins the layer's evictable slots.
+ *
+ * REPLAY. A replay store opens no file (files may be NULL), reads nothing
+ * and allocates no slot memory, and starts no worker; otherwise it is the
+ * same store: lookups, leases, evictions and every counter behave as in a
+ * live store fed the same calls (a load counts the bytes it would read),
+ * but views carry no bytes (data and scales are NULL). Pins are resident
+ * when create returns. */
 
 /* Validates config, opens its files and allocates every slot. On success
  * *out is a store owned by the caller (free it with its destroy op) and 0 is
@@ -214,5 +244,33 @@ int coli_lru_layer_slots(ColiExpertStore *store, int layer);
 /* Nonzero when the store was built with direct_io and O_DIRECT was refused
  * by the file system, so reads go through the page cache. */
 int coli_lru_direct_io_fallback(ColiExpertStore *store);
+
+/* The name of policy (a COLI_POLICY_* value), or NULL past the last one. */
+const char *coli_lru_policy_name(int policy);
+
+/* Runs a routing trace through the store: for each token t and each i <
+ * n_layers, one lookup_many on layer layers[i] of the experts
+ * experts[(t * n_layers + i) * k + j], j < k, that are >= 0 (repeats
+ * dropped), whose leases are released before the next. Stops at the first
+ * failure (err names token and layer). On a replay store this measures a
+ * policy on a trace at millions of lookups a second; on a live store it
+ * reads what a live run would. */
+int coli_lru_replay(ColiExpertStore *store, const int *layers, int n_layers,
+                    const int32_t *experts, int64_t n_tokens, int k,
+                    char *err, size_t err_len);
+
+/* The counters of one layer (capacity_bytes: its slots' bytes). Returns 0,
+ * or COLI_ENOTFOUND (out zeroed) for a layer without experts. */
+int coli_lru_layer_stats(ColiExpertStore *store, int layer, ColiExpertStoreStats *out);
+
+/* Requests (lookups of a valid key, as counted in stats) of each expert of
+ * layer since create: out[e] for e < n (n larger than the layer's expert
+ * range: the rest is zeroed). Returns the layer's expert range (largest
+ * expert index + 1), or 0 for a layer without experts. */
+int coli_lru_expert_requests(ColiExpertStore *store, int layer, uint64_t *out, int n);
+
+/* The experts pinned now (see PINNED EXPERTS): up to n keys into out,
+ * ordered by layer and expert. Returns how many are pinned. */
+int coli_lru_pinned(ColiExpertStore *store, ColiExpertKey *out, int n);
 
 #endif /* COLI_LRU_STORE_H */

@@ -5,8 +5,9 @@
  *                   destroy, stats, the small extras
  *   ls_slots.c      the slot state machine and its named transitions
  *   ls_policy.c     the eviction policies behind the seam (LRU)
- *   ls_lookup.c     lookup, lookup_resident, lookup_many, release
- *   ls_prefetch.c   prefetch, the I/O workers' jobs, pacing, retire
+ *   ls_lookup.c     lookup, lookup_resident, lookup_many, release, replay
+ *   ls_prefetch.c   prefetch, the I/O workers' jobs (prefetches, batch
+ *                   reads, pins), pacing, retire
  *
  * Private names start with ls_ (functions) or Ls (types); public ones with
  * coli_ / Coli. Nothing here is seen by cffi.
@@ -43,6 +44,7 @@
 #define LS_MIN_PREFETCH_CHUNK (64ull << 10)
 #define LS_PAUSE_LIMIT_NS 50000000ll     /* longest a prefetch chunk waits for demand reads */
 #define LS_DEMAND_JOB (1ull << 63)       /* tag bit of a batch read job; the rest is the generation */
+#define LS_PIN_JOB (1ull << 62)          /* tag of a job that loads pins until none is left */
 
 typedef enum { LS_EMPTY, LS_QUEUED, LS_READING, LS_RESIDENT } LsSlotState;
 
@@ -61,6 +63,7 @@ struct LsSlot {
     LsSlotState state;
     bool evictable;               /* in the policy's evictable set (ls_slots.c keeps it) */
     bool prefetched;              /* loaded by prefetch and not hit yet */
+    bool pinned;                  /* holds (or loads) a pinned expert: never evictable */
     _Atomic bool demanded;        /* a lookup waits for this load: it must not pause */
     _Atomic bool retired;         /* a prefetch known to be a wrong guess: stop reading it */
     uint32_t leases;              /* active leases; > 0 only when RESIDENT */
@@ -82,6 +85,7 @@ typedef struct {
 typedef struct {
     uint64_t requests, hits, misses, prefetched, prefetch_hits, bytes_read;
     uint64_t inflight_joins, loads_started, loads_failed, evictions, slot_waits;
+    uint64_t persistent_hits;     /* hits on pinned slots */
 } LsCounters;
 
 /* THE POLICY SEAM. The evictable set of a layer (every EMPTY slot, and every
@@ -99,6 +103,7 @@ typedef struct {
 } LsPolicy;
 
 extern const LsPolicy ls_policy_lru;
+extern const LsPolicy *const ls_policies[];   /* indexed by COLI_POLICY_*, NULL-terminated */
 
 struct LsLayer {
     /* Layers sit side by side in one array: each starts on its own cache
@@ -112,8 +117,10 @@ struct LsLayer {
      * bytes per expert instead of a cold LsEntry of hundreds. */
     bool *present;                /* indexed by expert: the model has it; fixed */
     LsSlot **slot_of;             /* indexed by expert: slot holding or loading it, or NULL */
+    uint64_t *requests_of;        /* indexed by expert: its requests (they sum to c.requests) */
     LsSlot *slots;                /* n_slots, fixed */
     int n_slots;
+    int n_pinned;                 /* slots pinned now */
     uint64_t slot_bytes;          /* stride of the arena, fixed */
     unsigned char *arena;
     const LsPolicy *policy;       /* fixed */
@@ -121,6 +128,7 @@ struct LsLayer {
     uint32_t waiters;             /* threads in a wait on cv */
     uint32_t loading;             /* slots QUEUED or READING */
     uint32_t queued;              /* slots QUEUED */
+    uint32_t evictable;           /* slots in the evictable set */
     uint64_t resident_bytes;
     uint64_t leases;              /* leases held on this layer's slots */
     LsCounters c;
@@ -136,6 +144,7 @@ typedef struct {
     LsLayer **by_id;              /* layer id -> layer or NULL, max_id + 1 entries */
     int max_id;
     bool direct;
+    bool replay;                  /* no files, no slot memory: loads read nothing */
     int64_t wait_timeout_ns;
     ColiIoPool pool;
     ColiFaultHook fault;
@@ -156,6 +165,10 @@ typedef struct {
     bool gate_ready;
     _Atomic int hold_prefetch;        /* test hook: prefetch reads wait before each chunk */
     _Atomic uint32_t held;            /* prefetch reads waiting on that hook now */
+    LsSlot **pins;                    /* the slots given to pins at create, n_pins */
+    int n_pins;
+    _Atomic int next_pin;             /* the next of pins a pin job looks at */
+    _Atomic int stopping;             /* close or destroy stops the pool: pin jobs end */
 } LsStore;
 
 /* ---- small helpers (every file) ------------------------------------- */
@@ -193,6 +206,30 @@ static inline bool ls_call_enter(LsStore *s, _Atomic uint64_t *calls) {
 
 static inline void ls_call_leave(_Atomic uint64_t *calls) { atomic_fetch_sub(calls, 1); }
 
+/* Counts a request of expert (stats and the per-expert counts). */
+static inline void ls_count_request(LsLayer *L, int expert) {
+    L->c.requests++;
+    L->requests_of[expert]++;
+}
+
+/* Bytes a read of plan brings (what a replay store counts for a load). */
+static inline uint64_t ls_plan_bytes(const ColiReadPlan *plan) {
+    uint64_t total = 0;
+    for (int i = 0; i < plan->n_runs; i++) total += plan->runs[i].length;
+    return total;
+}
+
+/* Reads plan into slot memory mem (see coli_read_expert); a replay store
+ * reads nothing and counts the bytes a read would bring. */
+static inline int ls_read(LsStore *s, const ColiReadPlan *plan, unsigned char *mem,
+                          const ColiReadPacer *pacer, uint64_t *nread, char *err, size_t n) {
+    if (s->replay) {
+        *nread = ls_plan_bytes(plan);
+        return COLI_OK;
+    }
+    return coli_read_expert(&s->files, plan, mem, &s->fault, pacer, nread, err, n);
+}
+
 /* Wakes the layer's waiters, if any. Caller holds L->mu. */
 static inline void ls_wake(LsLayer *L) {
     if (L->waiters > 0) pthread_cond_broadcast(&L->cv);
@@ -213,6 +250,8 @@ void ls_demand_end(LsStore *s);
 void ls_demand_join(LsStore *s, LsSlot *v);
 /* The test hook's hold on prefetch reads (lifted by close and destroy). */
 void ls_set_hold(LsStore *s, int hold);
+/* Loads the pins (LS_PIN_JOB jobs, or here with no workers). */
+void ls_load_pins(LsStore *s);
 /* The pool's job function: batch reads (LS_DEMAND_JOB) and prefetches. */
 void ls_run_job(void *ctx, ColiJob job);
 

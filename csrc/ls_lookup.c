@@ -39,11 +39,16 @@ static int demand_read(LsStore *s, LsLayer *L, LsSlot *v, ColiExpertView *view, 
                        size_t n) {
     LsEntry *e = &L->entries[v->expert];
     uint64_t nread = 0;
-    pthread_mutex_unlock(&L->mu);
-    ls_demand_begin(s);
-    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, NULL, &nread, err, n);
-    ls_demand_end(s);
-    pthread_mutex_lock(&L->mu);
+    int rc;
+    if (s->replay) {              /* nothing to read: no reason to drop the lock */
+        rc = ls_read(s, &e->plan, v->mem, NULL, &nread, err, n);
+    } else {
+        pthread_mutex_unlock(&L->mu);
+        ls_demand_begin(s);
+        rc = ls_read(s, &e->plan, v->mem, NULL, &nread, err, n);
+        ls_demand_end(s);
+        pthread_mutex_lock(&L->mu);
+    }
     ls_slot_finish_load(s, L, v, rc, nread, 1);
     if (rc == COLI_OK) ls_fill_view(view, v);
     return rc;
@@ -123,7 +128,7 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
         }
         int rc = ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL);
         if (rc == ETIMEDOUT && !ls_victim(L) && L->loading == 0 && !L->slot_of[expert]) {
-            L->c.requests++;
+            ls_count_request(L, expert);
             pthread_mutex_unlock(&L->mu);
             return coli_fail(err, n, COLI_EFULL,
                              "cache full: all %d slots of layer %d stayed leased for %.3f s "
@@ -173,6 +178,8 @@ void ls_release_op(ColiExpertStore *store, ColiExpertView *view) {
 
 /* ---- a layer's batch -------------------------------------------------- */
 
+#define BATCH_ON_STACK 32
+
 typedef struct {
     LsStore *s;
     LsLayer *L;
@@ -216,12 +223,21 @@ static bool batch_fits(const Batch *b) {
     int missing = 0;
     for (int i = 0; i < b->count; i++)
         missing += b->first[i] == i && !L->slot_of[b->experts[i]];
+    if (missing == 0) return true;
     int room = 0;
+    if (L->queued == 0) {         /* the common case, in O(count) */
+        room = (int)L->evictable;
+        for (int i = 0; i < b->count; i++) {
+            const LsSlot *v = L->slot_of[b->experts[i]];
+            room -= b->first[i] == i && v && v->evictable;
+        }
+        return missing <= room;
+    }
     for (int j = 0; j < L->n_slots; j++) {
         LsSlot *v = &L->slots[j];
         bool ours = false;
         for (int i = 0; i < b->count && !ours && v->state == LS_RESIDENT; i++) ours = v->expert == b->experts[i];
-        if (v->state == LS_QUEUED) {
+        if (v->state == LS_QUEUED && !v->pinned) {
             for (int i = 0; i < b->count && !ours; i++) ours = v->expert == b->experts[i];
             room += !ours;
         } else if (v->evictable && !ours) {
@@ -232,10 +248,23 @@ static bool batch_fits(const Batch *b) {
 }
 
 /* Step 2: waits, holding no lease, until the whole batch fits, up to the
- * timeout. */
+ * timeout. A batch whose experts could never fit beside the pins of other
+ * experts fails at once. */
 static int batch_wait_room(Batch *b) {
     LsStore *s = b->s;
     LsLayer *L = b->L;
+    if (L->n_pinned > 0) {
+        int unpinned = 0;
+        for (int i = 0; i < b->count; i++) {
+            const LsSlot *v = L->slot_of[b->experts[i]];
+            unpinned += b->first[i] == i && !(v && v->pinned);
+        }
+        if (unpinned > L->n_slots - L->n_pinned)
+            return coli_fail(b->err, b->n, COLI_EFULL,
+                             "cache full: %d experts asked of layer %d, which has %d slots besides "
+                             "its %d pinned ones", unpinned, L->id, L->n_slots - L->n_pinned,
+                             L->n_pinned);
+    }
     bool full_wait = false;
     struct timespec deadline;
     while (!batch_fits(b)) {
@@ -249,7 +278,7 @@ static int batch_wait_room(Batch *b) {
             if (s->wait_timeout_ns >= 0) ls_deadline_after(&deadline, s->wait_timeout_ns);
         }
         if (ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL) == ETIMEDOUT) {
-            L->c.requests += (uint64_t)b->count;
+            for (int i = 0; i < b->count; i++) ls_count_request(L, b->experts[i]);
             return coli_fail(b->err, b->n, COLI_EFULL,
                              "cache full: %d experts of layer %d could not be leased together: its %d "
                              "slots stayed leased for %.3f s", b->count, L->id, L->n_slots,
@@ -305,12 +334,16 @@ static int batch_read(Batch *b) {
             v->batch = LS_BATCH_NONE;
             char local[LS_ERRLEN];
             const ColiReadPlan *plan = &L->entries[v->expert].plan;
-            pthread_mutex_unlock(&L->mu);
-            ls_demand_begin(s);
-            r = coli_read_expert(&s->files, plan, v->mem, &s->fault, NULL, &nread,
-                                 rc == COLI_OK ? b->err : local, rc == COLI_OK ? b->n : sizeof local);
-            ls_demand_end(s);
-            pthread_mutex_lock(&L->mu);
+            if (!s->replay) {
+                pthread_mutex_unlock(&L->mu);
+                ls_demand_begin(s);
+            }
+            r = ls_read(s, plan, v->mem, NULL, &nread,
+                        rc == COLI_OK ? b->err : local, rc == COLI_OK ? b->n : sizeof local);
+            if (!s->replay) {
+                ls_demand_end(s);
+                pthread_mutex_lock(&L->mu);
+            }
         } else {
             while (v->batch != LS_BATCH_DONE) ls_layer_wait(L, NULL);
             v->batch = LS_BATCH_NONE;
@@ -382,8 +415,11 @@ static int lookup_many_impl(LsStore *s, int layer, const int *experts,
     LsLayer *L = ls_find_layer(s, layer);
     if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "layer %d has no routed experts", layer);
     Batch b = {.s = s, .L = L, .experts = experts, .count = count, .views = views, .err = err, .n = n};
-    b.first = malloc(sizeof(int) * 2 * (size_t)count);
-    b.reading = malloc(sizeof(LsSlot *) * (size_t)count);
+    int first_here[2 * BATCH_ON_STACK];   /* most batches are small: no allocation */
+    LsSlot *reading_here[BATCH_ON_STACK];
+    bool small = count <= BATCH_ON_STACK;
+    b.first = small ? first_here : malloc(sizeof(int) * 2 * (size_t)count);
+    b.reading = small ? reading_here : malloc(sizeof(LsSlot *) * (size_t)count);
     if (!b.first || !b.reading) {
         free(b.first);
         free(b.reading);
@@ -405,8 +441,10 @@ static int lookup_many_impl(LsStore *s, int layer, const int *experts,
         } while (rc == COLI_OK && again);
         pthread_mutex_unlock(&L->mu);
     }
-    free(b.first);
-    free(b.reading);
+    if (!small) {
+        free(b.first);
+        free(b.reading);
+    }
     return rc;
 }
 
@@ -421,4 +459,52 @@ int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
     int rc = lookup_many_impl(s, layer, experts, count, views, err, n);
     if (L) ls_call_leave(&L->calls);
     return rc;
+}
+
+/* ---- replay ------------------------------------------------------------ */
+
+/* Releases the leases of count views of layer L under one lock. */
+static void release_views(LsLayer *L, ColiExpertView *views, int count) {
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < count; i++) ls_slot_release_view(L, &views[i]);
+    pthread_mutex_unlock(&L->mu);
+    memset(views, 0, sizeof(*views) * (size_t)count);
+}
+
+int coli_lru_replay(ColiExpertStore *store, const int *layers, int n_layers,
+                    const int32_t *experts, int64_t n_tokens, int k, char *err, size_t n) {
+    LsStore *s = ls_store_of(store);
+    if (!s) return coli_fail(err, n, COLI_EINVAL, "replay: not an LRU expert store");
+    if (n_layers < 0 || n_tokens < 0 || k < 0 || (n_layers > 0 && !layers) ||
+        (n_tokens > 0 && n_layers > 0 && k > 0 && !experts))
+        return coli_fail(err, n, COLI_EINVAL, "replay: bad arguments (%d layers, %lld tokens, k %d)",
+                         n_layers, (long long)n_tokens, k);
+    if (k > BATCH_ON_STACK)
+        return coli_fail(err, n, COLI_EINVAL, "replay: %d experts per token and layer, at most %d",
+                         k, BATCH_ON_STACK);
+    for (int i = 0; i < n_layers; i++)
+        if (!ls_find_layer(s, layers[i]))
+            return coli_fail(err, n, COLI_ENOTFOUND, "replay: layer %d has no routed experts", layers[i]);
+    int ids[BATCH_ON_STACK];
+    ColiExpertView views[BATCH_ON_STACK];
+    memset(views, 0, sizeof views);
+    char local[LS_ERRLEN];
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int i = 0; i < n_layers; i++) {
+            const int32_t *row = experts + ((size_t)t * (size_t)n_layers + (size_t)i) * (size_t)k;
+            int count = 0;
+            for (int j = 0; j < k; j++) {
+                bool seen = row[j] < 0;
+                for (int q = 0; q < count && !seen; q++) seen = ids[q] == row[j];
+                if (!seen) ids[count++] = row[j];
+            }
+            if (count == 0) continue;
+            int rc = coli_lru_lookup_many(store, layers[i], ids, count, views, local, sizeof local);
+            if (rc != COLI_OK)
+                return coli_fail(err, n, rc, "replay: token %lld, layer %d: %s", (long long)t,
+                                 layers[i], local);
+            release_views(ls_find_layer(s, layers[i]), views, count);
+        }
+    }
+    return COLI_OK;
 }

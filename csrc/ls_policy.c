@@ -42,3 +42,8 @@ const LsPolicy ls_policy_lru = {
     .hit = NULL,
     .victim = lru_victim,
 };
+
+const LsPolicy *const ls_policies[] = {
+    [COLI_POLICY_LRU] = &ls_policy_lru,
+    NULL,
+};

@@ -95,7 +95,52 @@ static void run_batch_read(LsStore *s, LsSlot *v, uint64_t generation) {
     pthread_mutex_unlock(&L->mu);
 }
 
+/* Loads pinned slot v, unless a lookup took its load over (or it was
+ * dropped) since create pinned it. Paced like a prefetch. */
+static void load_pin(LsStore *s, LsSlot *v) {
+    LsLayer *L = v->layer;
+    pthread_mutex_lock(&L->mu);
+    if (!v->pinned || v->state != LS_QUEUED) {
+        pthread_mutex_unlock(&L->mu);
+        return;
+    }
+    ls_slot_begin_read(L, v);
+    LsEntry *e = &L->entries[v->expert];
+    uint64_t nread = 0;
+    char err[LS_ERRLEN];
+    PrefetchPace pace = {s, v};
+    ColiReadPacer pacer = {s->prefetch_chunk, prefetch_pause, &pace};
+    if (!s->replay) pthread_mutex_unlock(&L->mu);
+    int rc = ls_read(s, &e->plan, v->mem, &pacer, &nread, err, sizeof err);
+    if (!s->replay) pthread_mutex_lock(&L->mu);
+    ls_slot_finish_load(s, L, v, rc, nread, 0);
+    pthread_mutex_unlock(&L->mu);
+}
+
+/* A pin job: loads the next pin not taken yet, until none is left or the
+ * store closes. */
+static void run_pin_job(LsStore *s) {
+    while (!atomic_load(&s->stopping)) {
+        int i = atomic_fetch_add(&s->next_pin, 1);
+        if (i >= s->n_pins) return;
+        load_pin(s, s->pins[i]);
+    }
+}
+
+void ls_load_pins(LsStore *s) {
+    if (s->n_pins == 0) return;
+    uint32_t jobs = s->pool.n_threads < (uint32_t)s->n_pins ? s->pool.n_threads : (uint32_t)s->n_pins;
+    uint32_t posted = 0;
+    for (uint32_t j = 0; j < jobs; j++)
+        posted += coli_pool_post(&s->pool, (ColiJob){s, LS_PIN_JOB}, false);
+    if (posted == 0) run_pin_job(s);   /* no workers (or a replay store): here and now */
+}
+
 void ls_run_job(void *ctx, ColiJob job) {
+    if (job.tag == LS_PIN_JOB) {
+        run_pin_job(ctx);
+        return;
+    }
     if (job.tag & LS_DEMAND_JOB) {
         run_batch_read(ctx, job.item, job.tag & ~LS_DEMAND_JOB);
         return;

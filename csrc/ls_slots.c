@@ -16,8 +16,8 @@ static void fill_tensor(ColiTensorView *t, const ColiTensorSource *src, const un
                         uint64_t data_at, uint64_t scales_at) {
     t->format = src->format;
     t->scale_format = src->scale_format;
-    t->data = mem + data_at;
-    t->scales = src->scale_format == COLI_SCALE_NONE ? NULL : mem + scales_at;
+    t->data = mem ? mem + data_at : NULL;   /* a replay store has no slot memory */
+    t->scales = src->scale_format == COLI_SCALE_NONE || !mem ? NULL : mem + scales_at;
     t->data_bytes = (size_t)src->nbytes;
     t->scale_bytes = src->scale_format == COLI_SCALE_NONE ? 0 : (size_t)src->scale_nbytes;
     t->rows = src->rows;
@@ -41,6 +41,10 @@ static void fill_template(ColiExpertView *view, const LsLayer *L, const LsEntry 
 /* Whatever v held or was loading is gone: v is EMPTY with a new
  * generation, evicted first. */
 static void to_empty(LsStore *s, LsLayer *L, LsSlot *v) {
+    if (v->pinned) {              /* a pin that could not be loaded is dropped */
+        v->pinned = false;
+        L->n_pinned--;
+    }
     L->slot_of[v->expert] = NULL;
     v->expert = -1;
     v->state = LS_EMPTY;
@@ -88,7 +92,7 @@ void ls_slot_finish_load(LsStore *s, LsLayer *L, LsSlot *v, int rc, uint64_t nre
         v->state = LS_RESIDENT;
         v->leases = leases;
         L->resident_bytes += e->plan.payload;
-        if (leases == 0) ls_set_insert(L, v, false);
+        if (leases == 0 && !v->pinned) ls_set_insert(L, v, false);
         else L->leases += leases;
     } else {
         if (rc != COLI_READ_STOPPED) L->c.loads_failed++;
@@ -109,7 +113,7 @@ void ls_slot_empty(LsStore *s, LsLayer *L, LsSlot *v) {
 /* A QUEUED slot of another expert that a demand miss may take, or NULL. */
 static LsSlot *queued_slot(LsLayer *L) {
     for (int i = 0; i < L->n_slots; i++)
-        if (L->slots[i].state == LS_QUEUED) return &L->slots[i];
+        if (L->slots[i].state == LS_QUEUED && !L->slots[i].pinned) return &L->slots[i];
     return NULL;
 }
 
@@ -117,10 +121,11 @@ LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert) {
     LsSlot *v = L->slot_of[expert];
     if (v) {
         ls_slot_begin_read(L, v);
-        L->c.requests++;
+        ls_count_request(L, expert);
         L->c.hits++;
         L->c.inflight_joins++;
-        L->c.prefetch_hits++;
+        if (v->pinned) L->c.persistent_hits++;
+        if (v->prefetched) L->c.prefetch_hits++;
         v->prefetched = false;
         return v;
     }
@@ -128,9 +133,17 @@ LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert) {
     if (!v && (v = queued_slot(L)) != NULL) ls_slot_empty(s, L, v);
     if (!v) return NULL;
     ls_slot_repurpose(s, L, v, e, expert, LS_READING, ls_next_generation(s));
-    L->c.requests++;
+    ls_count_request(L, expert);
     L->c.misses++;
     return v;
+}
+
+void ls_slot_pin(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert) {
+    assert(v->state == LS_EMPTY && v->evictable);
+    ls_slot_repurpose(s, L, v, e, expert, LS_QUEUED, ls_next_generation(s));
+    v->prefetched = false;
+    v->pinned = true;
+    L->n_pinned++;
 }
 
 void ls_slot_demote(LsLayer *L, LsSlot *v) {

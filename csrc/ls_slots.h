@@ -31,9 +31,14 @@
  *   lease        RESIDENT                          RESIDENT, one lease more (a hit)
  *   unlease      RESIDENT leased                   RESIDENT, one lease fewer
  *   demote       RESIDENT unleased, unhit prefetch RESIDENT, evicted first
+ *   pin          EMPTY (at create)                 QUEUED, pinned: never evictable
+ *
+ * A pinned slot goes QUEUED -> READING -> RESIDENT like a prefetch and then
+ * stays: lease and unlease never put it in the evictable set. A failed
+ * load unpins it (finish_load: EMPTY, an ordinary slot).
  *
  * A slot is in its layer's evictable set iff it is EMPTY, or RESIDENT with
- * zero leases. The set is the policy's (ls_internal.h, the seam): "leased"
+ * zero leases and not pinned. The set is the policy's (ls_internal.h, the seam): "leased"
  * means "not in the set", so a hit leaves it in O(1) and the victim is the
  * policy's choice (for LRU the tail of a list, also O(1)).
  *
@@ -59,12 +64,14 @@ static inline void ls_set_insert(LsLayer *L, LsSlot *v, bool cold) {
     assert(!v->evictable);
     L->policy->insert(L, v, cold);
     v->evictable = true;
+    L->evictable++;
 }
 
 static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
     assert(v->evictable);
     L->policy->remove(L, v);
     v->evictable = false;
+    L->evictable--;
 }
 
 /* The slot an eviction would take now, or NULL. */
@@ -83,8 +90,9 @@ static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view) {
     if (v->evictable) ls_set_remove(L, v);
     v->leases++;
     L->leases++;
-    L->c.requests++;
+    ls_count_request(L, v->expert);
     L->c.hits++;
+    if (v->pinned) L->c.persistent_hits++;
     if (v->prefetched) {
         L->c.prefetch_hits++;
         v->prefetched = false;
@@ -93,12 +101,12 @@ static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view) {
 }
 
 /* unlease: drops one lease of resident slot v; the last one makes it
- * evictable and wakes waiters. */
+ * evictable (unless pinned) and wakes waiters. */
 static inline void ls_slot_unlease(LsLayer *L, LsSlot *v) {
     v->leases--;
     L->leases--;
     if (v->leases == 0) {
-        ls_set_insert(L, v, false);
+        if (!v->pinned) ls_set_insert(L, v, false);
         ls_wake(L);
     }
 }
@@ -135,6 +143,10 @@ void ls_slot_finish_load(LsStore *s, LsLayer *L, LsSlot *v, int rc, uint64_t nre
  * generation) and makes v an empty slot, evicted first. Wakes waiters: one
  * load fewer (wait_idle) and one free slot more (lookups). */
 void ls_slot_empty(LsStore *s, LsLayer *L, LsSlot *v);
+
+/* pin: gives EMPTY slot v to entry e's expert for good, QUEUED for a pin
+ * job (or loaded at once by create). Counts a load started, no request. */
+void ls_slot_pin(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert);
 
 /* demote: resident v, unleased and never hit since its prefetch, goes to
  * the cold end of the set, to be evicted first. */

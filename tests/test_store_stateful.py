@@ -16,6 +16,11 @@ checks that:
 A lookup fails with CacheFullError exactly when every slot of its layer is
 held by other experts (slot_wait_timeout is tiny). Steps print as calls with
 plain integer arguments, so a failure replays as a program.
+
+The same machine runs with pinned experts: they hold slots of their layer
+for good (lookups of other experts find fewer slots), every lookup of one is
+a hit counted as persistent, they are never evicted, and store.pinned lists
+them throughout.
 """
 
 from __future__ import annotations
@@ -45,17 +50,20 @@ MONOTONIC = (
 
 
 class LayerModel:
-    """One layer's LRU: resident experts with lease counts, unleased ones by last release."""
+    """One layer's LRU: resident experts with lease counts, unleased ones by
+    last release; pinned experts are resident from the start and never on
+    the LRU list."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, pinned: frozenset = frozenset()):
         self.slots = slots
-        self.refs: dict[int, int] = {}          # resident expert -> leases held
+        self.pinned = pinned
+        self.refs: dict[int, int] = {e: 0 for e in pinned}  # resident expert -> leases held
         self.lru: OrderedDict = OrderedDict()   # unleased resident experts, LRU first
         self.evictions = 0
         self.exact = True                       # False once an outcome was left unspecified
 
     def copy(self) -> "LayerModel":
-        other = LayerModel(self.slots)
+        other = LayerModel(self.slots, self.pinned)
         other.refs = dict(self.refs)
         other.lru = OrderedDict(self.lru)
         other.evictions = self.evictions
@@ -79,22 +87,26 @@ class LayerModel:
 
     def release(self, expert: int) -> None:
         self.refs[expert] -= 1
-        if self.refs[expert] == 0:
+        if self.refs[expert] == 0 and expert not in self.pinned:
             self.lru[expert] = None  # most recently used as of this release
 
 
 class StoreMachine(RuleBasedStateMachine):
     model = None  # a SyntheticModel, set by the test function
+    pins: tuple = ()  # (layer, expert) pinned at open
 
     def __init__(self):
         super().__init__()
-        self.store = colibri.open_store(self.model.path, slots_per_layer=SLOTS, slot_wait_timeout=0.01)
+        self.store = colibri.open_store(self.model.path, slots_per_layer=SLOTS, slot_wait_timeout=0.01,
+                                        pin=self.pins)
+        self.store.wait_idle()  # pins load in the background
         self.want = expected_experts(self.model)
         self.singles: list = []   # single leases held
         self.groups: list = []    # (context manager, tuple of leases) of lease_many
         self.released: list = []  # leases released already
-        self.layers = {layer: LayerModel(SLOTS) for layer in self.model.layers}
+        self.layers = {layer: LayerModel(SLOTS, self.pinned(layer)) for layer in self.model.layers}
         self.failed_lookups = 0
+        self.pinned_lookups = 0
         self.last = self.store.stats()
 
     # -- model helpers -----------------------------------------------------
@@ -106,6 +118,18 @@ class StoreMachine(RuleBasedStateMachine):
 
     def held_experts(self, layer: int) -> set[int]:
         return {ex.expert for ex in self.held_leases() if ex.layer == layer}
+
+    def pinned(self, layer: int) -> frozenset:
+        return frozenset(e for la, e in self.pins if la == layer)
+
+    def fits(self, layer: int, experts) -> bool:
+        """Whether these experts, with those held, fit the layer's slots:
+        pinned ones in their own, the others in the rest."""
+        pinned = self.pinned(layer)
+        return len((self.held_experts(layer) | set(experts)) - pinned) <= SLOTS - len(pinned)
+
+    def count_pinned(self, layer: int, experts) -> None:
+        self.pinned_lookups += sum(e in self.pinned(layer) for e in experts)
 
     def check_bytes(self, ex) -> None:
         want = self.want[ex.key]
@@ -120,7 +144,7 @@ class StoreMachine(RuleBasedStateMachine):
     def lease(self, layer, expert):
         lm = self.layers[layer]
         before = self.store.stats()
-        full = len(self.held_experts(layer)) >= SLOTS and expert not in self.held_experts(layer)
+        full = not self.fits(layer, [expert])
         if full:
             with pytest.raises(colibri.CacheFullError):
                 self.store.lease(layer, expert)
@@ -134,6 +158,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.singles.append(ex)
         assert ex.key == (layer, expert)
         self.check_bytes(ex)
+        self.count_pinned(layer, [expert])
         outcome = lm.lookup(expert)
         after = self.store.stats()
         if lm.exact:
@@ -144,7 +169,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(layer=st.sampled_from([1, 2]), expert=st.integers(0, 5))
     def lease_in_with_block(self, layer, expert):
-        if len(self.held_experts(layer)) >= SLOTS and expert not in self.held_experts(layer):
+        if not self.fits(layer, [expert]):
             return  # the lease rule covers the full case
         lm = self.layers[layer]
         before = self.store.stats()
@@ -154,6 +179,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.store.active_leases == active + 1
         assert ex.released
         assert self.store.active_leases == active
+        self.count_pinned(layer, [expert])
         outcome = lm.lookup(expert)
         lm.release(expert)
         after = self.store.stats()
@@ -165,7 +191,7 @@ class StoreMachine(RuleBasedStateMachine):
         lm = self.layers[layer]
         active = self.store.active_leases
         before = self.store.stats()
-        fits = len(self.held_experts(layer) | set(experts)) <= SLOTS
+        fits = self.fits(layer, experts)
         if not fits:
             with pytest.raises(colibri.CacheFullError):
                 cm = self.store.lease_many(layer, experts)
@@ -181,14 +207,15 @@ class StoreMachine(RuleBasedStateMachine):
         assert [ex.key for ex in exs] == [(layer, e) for e in experts]
         for ex in exs:
             self.check_bytes(ex)
-        # Lookups in the given order, or hits pinned first: predict only where both agree.
-        seq, pinned = lm.copy(), lm.copy()
+        self.count_pinned(layer, experts)
+        # Lookups in the given order, or hits taken first: predict only where both agree.
+        seq, early = lm.copy(), lm.copy()
         seq_out = [seq.lookup(e) for e in experts]
-        hits_first = [e for e in experts if e in pinned.refs]
-        pinned_out = [pinned.lookup(e) for e in hits_first] + [pinned.lookup(e) for e in experts if e not in hits_first]
+        hits_first = [e for e in experts if e in early.refs]
+        early_out = [early.lookup(e) for e in hits_first] + [early.lookup(e) for e in experts if e not in hits_first]
         after = self.store.stats()
         assert after.requests - before.requests == len(experts)
-        if seq.exact and sorted(seq_out) == sorted(pinned_out) and seq.refs == pinned.refs and seq.lru == pinned.lru:
+        if seq.exact and sorted(seq_out) == sorted(early_out) and seq.refs == early.refs and seq.lru == early.lru:
             assert after.hits - before.hits == seq_out.count("hit")
             assert after.misses - before.misses == seq_out.count("miss")
             self.layers[layer] = seq
@@ -232,13 +259,19 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.active_leases == active
         assert self.store.stats() == before
 
-    @precondition(lambda self: any(len(self.held_experts(layer)) < SLOTS for layer in self.layers))
+    def room(self, layer: int) -> int:
+        """Slots of layer neither pinned nor leased."""
+        pinned = self.pinned(layer)
+        return SLOTS - len(pinned) - len(self.held_experts(layer) - pinned)
+
+    @precondition(lambda self: any(self.room(layer) > 0 for layer in self.layers))
     @rule(data=st.data())
     def fill_layer_then_cache_full(self, data):
-        layer = data.draw(st.sampled_from([la for la in sorted(self.layers) if len(self.held_experts(la)) < SLOTS]))
+        layer = data.draw(st.sampled_from([la for la in sorted(self.layers) if self.room(la) > 0]))
         lm = self.layers[layer]
-        free = [e for e in range(self.model.n_experts) if e not in self.held_experts(layer)]
-        need = SLOTS - len(self.held_experts(layer))
+        free = [e for e in range(self.model.n_experts)
+                if e not in self.held_experts(layer) and e not in self.pinned(layer)]
+        need = self.room(layer)
         for expert in free[:need]:
             before = self.store.stats()
             ex = self.store.lease(layer, expert)
@@ -282,6 +315,15 @@ class StoreMachine(RuleBasedStateMachine):
             assert s.resident_bytes == resident * self.model.expert_nbytes
 
     @invariant()
+    def pins_stay(self):
+        s = self.store.stats()
+        assert s.persistent_hits == self.pinned_lookups
+        assert s.transient_hits + s.persistent_hits == s.hits
+        assert self.store.pinned == tuple(sorted(self.pins))
+        for layer, lm in self.layers.items():
+            assert lm.pinned <= set(lm.refs)  # the model never evicts them either
+
+    @invariant()
     def leases_are_counted(self):
         assert self.store.active_leases == sum(1 for _ in self.held_leases())
 
@@ -306,5 +348,13 @@ class StoreMachine(RuleBasedStateMachine):
 def test_store_state_machine(tiny_model):
     class Machine(StoreMachine):
         model = tiny_model
+
+    run_state_machine_as_test(Machine, settings=settings(settings(), stateful_step_count=40))
+
+
+def test_store_state_machine_with_pins(tiny_model):
+    class Machine(StoreMachine):
+        model = tiny_model
+        pins = ((1, 0), (2, 4), (2, 5))  # layer 2 keeps one slot for its other experts
 
     run_state_machine_as_test(Machine, settings=settings(settings(), stateful_step_count=40))
