@@ -47,7 +47,13 @@ static int verify(const ColiExpertView *v) {
     return 1;
 }
 
-typedef struct { ColiExpertStore *store; unsigned seed; int iters; } Arg;
+typedef struct { ColiExpertStore *store; unsigned seed; int iters; int replay; } Arg;
+
+/* The bytes of a view: the file's, or none at all in a replay store. */
+static int check_view(const Arg *a, const ColiExpertView *v) {
+    if (a->replay) return v->gate.data == NULL && v->down.data == NULL && v->key.expert >= 0;
+    return verify(v);
+}
 
 static void *worker(void *p) {
     Arg *a = p;
@@ -66,7 +72,7 @@ static void *worker(void *p) {
             int rc = coli_lru_lookup_many(a->store, layer, ids, 2, views, err, sizeof err);
             CHECK(rc == 0, "lookup_many: %s", err);
             if (rc == 0) {
-                CHECK(verify(&views[0]) && verify(&views[1]), "lookup_many bytes differ");
+                CHECK(check_view(a, &views[0]) && check_view(a, &views[1]), "lookup_many bytes differ");
                 coli_expert_release(a->store, &views[0]);
                 coli_expert_release(a->store, &views[1]);
             }
@@ -76,7 +82,7 @@ static void *worker(void *p) {
             int rc = coli_lru_lookup(a->store, layer, expert, &v, err, sizeof err);
             CHECK(rc == 0, "lookup: %s", err);
             if (rc == 0) {
-                CHECK(verify(&v), "bytes of layer %d expert %d differ", layer, expert);
+                CHECK(check_view(a, &v), "bytes of layer %d expert %d differ", layer, expert);
                 coli_expert_release(a->store, &v);
                 coli_expert_release(a->store, &v);   /* zeroed now: a no-op */
             }
@@ -107,8 +113,10 @@ static ColiTensorSource tensor(int l, int e, int r) {
     return t;
 }
 
+static const ColiExpertKey PINS[2] = {{0, 5}, {2, 8}};
+
 static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint32_t workers, int direct,
-                                   int never_pause) {
+                                   int never_pause, int pins, int replay) {
     const char *files[1] = {path};
     ColiLruConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -123,6 +131,9 @@ static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint
     cfg.slot_wait_timeout_ns = 30LL * 1000000000LL;
     cfg.prefetch_never_pauses = never_pause;
     cfg.prefetch_chunk_bytes = 64 << 10;
+    cfg.pinned = pins ? PINS : NULL;
+    cfg.n_pinned = pins ? 2 : 0;
+    cfg.replay = replay;
     ColiExpertStore *store = NULL;
     char err[COLI_ERR_LEN];
     int rc = coli_lru_store_create(&cfg, &store, err, sizeof err);
@@ -182,7 +193,7 @@ int main(int argc, char **argv) {
         for (int e = 0; e < EXPERTS; e++)
             src[l * EXPERTS + e] = (ColiExpertSource){l, e, tensor(l, e, 0), tensor(l, e, 1), tensor(l, e, 2), 0, 0, NULL};
     if (destroy_leased) {          /* rule 5: must abort in a build with assertions */
-        ColiExpertStore *store = open_store(path, src, 1, 0, 0);
+        ColiExpertStore *store = open_store(path, src, 1, 0, 0, 0, 0);
         ColiExpertView v;
         memset(&v, 0, sizeof v);
         if (!store || coli_expert_lookup(store, (ColiExpertKey){0, 0}, &v) != 0) return 2;
@@ -190,17 +201,20 @@ int main(int argc, char **argv) {
         puts("destroy with a lease held returned");
         return 0;
     }
-    for (int mode = 0; mode < 4; mode++) {
-        uint32_t workers = (mode & 1) ? 2 : 0;
-        /* mode 3 also lets prefetch reads share the disk instead of pausing */
-        ColiExpertStore *store = open_store(path, src, workers, mode >> 1, mode == 3);
+    for (int mode = 0; mode < 6; mode++) {
+        uint32_t workers = (mode & 1) || mode == 4 ? 2 : 0;
+        /* mode 3 also lets prefetch reads share the disk instead of pausing;
+         * mode 4 pins two experts (their loads race the threads below),
+         * mode 5 is a replay store with the same pins */
+        int pins = mode >= 4, replay = mode == 5;
+        ColiExpertStore *store = open_store(path, src, workers, mode == 2 || mode == 3, mode == 3, pins, replay);
         if (!store) return 1;
-        contract_edges(store);
+        if (!replay) contract_edges(store);
         pthread_t t[16];
         Arg a[16];
         if (threads > 16) threads = 16;
         for (int i = 0; i < threads; i++) {
-            a[i] = (Arg){store, (unsigned)(i * 7919 + mode), iters};
+            a[i] = (Arg){store, (unsigned)(i * 7919 + mode), iters, replay};
             if (pthread_create(&t[i], NULL, worker, &a[i]) != 0) { perror("pthread_create"); return 2; }
         }
         for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
@@ -209,7 +223,12 @@ int main(int argc, char **argv) {
         CHECK(coli_lru_active_leases(store) == 0, "leases left: %llu", (unsigned long long)coli_lru_active_leases(store));
         CHECK(st.resident_bytes <= st.capacity_bytes, "resident over capacity");
         CHECK(st.prefetch_hits <= st.prefetched, "prefetch_hits > prefetched");
-        CHECK(st.loads_failed == 1 && st.requests == st.hits + st.misses + 0,
+        CHECK(st.persistent_hits + st.transient_hits == st.hits, "persistent + transient != hits");
+        ColiExpertKey pinned[4];
+        CHECK(coli_lru_pinned(store, pinned, 4) == (pins ? 2 : 0), "pins lost");
+        CHECK(!pins || (st.persistent_hits > 0 && pinned[0].layer == 0 && pinned[0].expert == 5 &&
+                        pinned[1].layer == 2 && pinned[1].expert == 8), "pins wrong or never hit");
+        CHECK(st.loads_failed == (replay ? 0u : 1u) && st.requests == st.hits + st.misses + 0,
               "counters: requests %llu hits %llu misses %llu failed %llu",
               (unsigned long long)st.requests, (unsigned long long)st.hits,
               (unsigned long long)st.misses, (unsigned long long)st.loads_failed);
@@ -217,9 +236,9 @@ int main(int argc, char **argv) {
         ColiExpertKey keys[LAYERS * EXPERTS];
         for (int i = 0; i < LAYERS * EXPERTS; i++) keys[i] = (ColiExpertKey){i / EXPERTS, i % EXPERTS};
         store->ops->prefetch(store, keys, LAYERS * EXPERTS);
-        printf("mode %d (workers %u, direct %d): requests %llu hits %llu misses %llu prefetched %llu "
+        printf("mode %d (workers %u, direct %d, pins %d, replay %d): requests %llu hits %llu misses %llu prefetched %llu "
                "prefetch_hits %llu joins %llu evictions %llu peak_inflight %llu\n",
-               mode, workers, mode >> 1, (unsigned long long)st.requests, (unsigned long long)st.hits,
+               mode, workers, mode == 2 || mode == 3, pins, replay, (unsigned long long)st.requests, (unsigned long long)st.hits,
                (unsigned long long)st.misses, (unsigned long long)st.prefetched,
                (unsigned long long)st.prefetch_hits, (unsigned long long)st.inflight_joins,
                (unsigned long long)st.evictions, (unsigned long long)st.peak_inflight);
