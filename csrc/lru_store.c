@@ -66,6 +66,7 @@ static void free_store(LsStore *s) {
             pthread_cond_destroy(&L->cv);
             pthread_mutex_destroy(&L->mu);
         }
+        if (L->pol_ready && L->policy->fini) L->policy->fini(L);
         free(L->arena);
         free(L->slots);
         free(L->entries);
@@ -260,7 +261,13 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
         if (!L->slots)
             return coli_fail(err, n, COLI_ENOMEM, "out of memory for the slots of layer %d", L->id);
         L->policy = ls_policies[cfg->policy];
+        L->pol_param = cfg->policy_param;
         L->list.next = L->list.prev = &L->list;
+        if (L->policy->init) {
+            int rc = L->policy->init(L, err, n);
+            if (rc) return rc;
+        }
+        L->pol_ready = true;
         for (int j = 0; j < L->n_slots; j++) {
             LsSlot *v = &L->slots[j];
             v->layer = L;

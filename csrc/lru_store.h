@@ -126,13 +126,15 @@ typedef struct {
     const ColiExpertKey *pinned;    /* experts kept resident, never evicted (see below) */
     int n_pinned;
     int replay;                     /* nonzero: a replay store (see below) */
+    double policy_param;            /* the policy's tuning constant; 0 = its default */
 } ColiLruConfig;
 
 #define COLI_DEFAULT_READ_CHUNK (256u << 10)
 
 /* Eviction policies (coli_lru_policy_name gives each one's name). */
 enum {
-    COLI_POLICY_LRU = 0             /* least recently used */
+    COLI_POLICY_LRU = 0,            /* least recently used */
+    COLI_POLICY_LFU = 1             /* least frequently used since loaded, then least recently */
 };
 
 /* PINNED EXPERTS. Each pinned expert takes one slot out of its layer's

@@ -71,6 +71,10 @@ struct LsSlot {
     /* The view of the expert given to this slot, minus the lease fields: a
      * hit copies it instead of reading the expert's (large, cold) entry. */
     ColiExpertView view;
+    /* The policy's own state of this slot (a policy may ignore it). */
+    double pol_value;             /* e.g. a decayed use count */
+    uint64_t pol_stamp;           /* e.g. the layer's clock at the last use */
+    uint32_t pol_index;           /* e.g. the slot's place in a heap */
     uint8_t batch;                /* LS_BATCH_* */
     int batch_rc;                 /* the worker's read result, when DONE */
     uint64_t batch_nread;
@@ -88,21 +92,46 @@ typedef struct {
     uint64_t persistent_hits;     /* hits on pinned slots */
 } LsCounters;
 
-/* THE POLICY SEAM. The evictable set of a layer (every EMPTY slot, and every
- * RESIDENT one without a lease) belongs to its policy; the state machine
- * (ls_slots.c) tells it what changes, under the layer mutex, and asks it for
- * a victim. hit may be NULL. */
+/* THE POLICY SEAM. The evictable set of a layer (every EMPTY slot, and
+ * every RESIDENT one without a lease and not pinned) belongs to its policy;
+ * the state machine (ls_slots.c) tells it what changes, under the layer
+ * mutex, and asks it for a victim. A policy keeps its state in the slots'
+ * pol_* fields, in the layer's pol (its init allocates it) and may read
+ * the layer's clock (one tick per lookup or lookup_many of the layer) and
+ * requests_of. Only insert, remove and victim are required; the LRU hit
+ * path costs one test of a NULL hit. */
 typedef struct {
     const char *name;
     /* v joins the set: at the hot end (just released or loaded) or, with
      * cold, ahead of every slot there for eviction (emptied, demoted). */
     void (*insert)(LsLayer *L, LsSlot *v, bool cold);
     void (*remove)(LsLayer *L, LsSlot *v);   /* v leaves the set: leased or taken */
-    void (*hit)(LsLayer *L, LsSlot *v);      /* a lookup hit v (before any remove) */
     LsSlot *(*victim)(LsLayer *L);           /* the slot to give up next, or NULL */
+    /* A lookup used v's resident (or queued, taken over) expert; rank is the
+     * expert's place in the request (0 for a single lookup). Called before
+     * v leaves the set. */
+    void (*hit)(LsLayer *L, LsSlot *v, int rank);
+    /* v was given to a new expert: by a demand miss (used, with its rank),
+     * or by a prefetch or a pin (not used, rank -1). */
+    void (*assign)(LsLayer *L, LsSlot *v, int rank);
+    int (*init)(LsLayer *L, char *err, size_t n);   /* before any slot joins the set */
+    void (*fini)(LsLayer *L);                       /* frees what init allocated */
 } LsPolicy;
 
-extern const LsPolicy ls_policy_lru;
+extern const LsPolicy ls_policy_lru, ls_policy_lfu;
+
+/* A binary min-heap of slots for policies that order by a key: each slot's
+ * pol_index is its place. less orders two slots. O(log n) per change. */
+typedef bool (*LsLess)(const LsSlot *a, const LsSlot *b);
+typedef struct {
+    LsSlot **at;                  /* n_slots places */
+    uint32_t n;
+} LsHeap;
+
+void ls_heap_push(LsHeap *h, LsSlot *v, LsLess less);
+void ls_heap_remove(LsHeap *h, LsSlot *v, LsLess less);
+/* After v's key changed (v in the heap). */
+void ls_heap_update(LsHeap *h, LsSlot *v, LsLess less);
 extern const LsPolicy *const ls_policies[];   /* indexed by COLI_POLICY_*, NULL-terminated */
 
 struct LsLayer {
@@ -124,6 +153,9 @@ struct LsLayer {
     uint64_t slot_bytes;          /* stride of the arena, fixed */
     unsigned char *arena;
     const LsPolicy *policy;       /* fixed */
+    void *pol;                    /* the policy's state of this layer (its init's) */
+    double pol_param;             /* the policy's tuning constant; 0 = its default; fixed */
+    uint64_t clock;               /* ticks once per lookup or lookup_many of this layer */
     LsSlot list;                  /* the LRU policy's sentinel */
     uint32_t waiters;             /* threads in a wait on cv */
     uint32_t loading;             /* slots QUEUED or READING */
@@ -133,6 +165,7 @@ struct LsLayer {
     uint64_t leases;              /* leases held on this layer's slots */
     LsCounters c;
     bool sync_ready;              /* mu and cv were initialised */
+    bool pol_ready;               /* the policy's init succeeded: its fini runs */
     _Atomic uint64_t calls;       /* lookups of this layer in progress (close guard) */
 };
 

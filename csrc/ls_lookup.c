@@ -88,19 +88,22 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
                          layer, expert, L->n_entries - 1);
 
     pthread_mutex_lock(&L->mu);
-    bool joined = false, full_wait = false;
+    bool joined = false, full_wait = false, ticked = false;
     struct timespec deadline;
     for (;;) {
         LsSlot *v = L->slot_of[expert];
         if (v && v->state == LS_RESIDENT) {
-            ls_slot_lease(L, v, view);
+            L->clock += !ticked;
+            ls_slot_lease(L, v, view, 0);
             pthread_mutex_unlock(&L->mu);
             return COLI_OK;
         }
-        if (hit_only) {
+        if (hit_only) {           /* no tick: the full lookup that follows ticks */
             pthread_mutex_unlock(&L->mu);
             return COLI_EAGAIN;
         }
+        L->clock += !ticked;
+        ticked = true;
         if (v && v->state == LS_READING) {   /* join that load */
             if (!joined) L->c.inflight_joins++;
             joined = true;
@@ -110,7 +113,7 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
         }
         /* Missing, or a queued prefetch we take over rather than wait
          * behind the queue for. */
-        LsSlot *mine = ls_slot_claim(s, L, e, expert);
+        LsSlot *mine = ls_slot_claim(s, L, e, expert, 0);
         if (mine) {
             int rc = demand_read(s, L, mine, view, err, n);
             pthread_mutex_unlock(&L->mu);
@@ -301,13 +304,13 @@ static void batch_commit(Batch *b) {
             LsEntry *e = &L->entries[b->experts[i]];
             LsSlot *v = L->slot_of[b->experts[i]];
             if (pass == 0) {
-                if (v && v->state == LS_RESIDENT) ls_slot_lease(L, v, &b->views[i]);
+                if (v && v->state == LS_RESIDENT) ls_slot_lease(L, v, &b->views[i], i);
                 else if (v && v->state == LS_READING) ls_demand_join(b->s, v);
                 continue;
             }
             if (v ? v->state != LS_QUEUED || pass != 1 : pass != 2) continue;
             b->at[b->n_reading] = i;
-            b->reading[b->n_reading++] = ls_slot_claim(b->s, L, e, b->experts[i]);   /* room was counted */
+            b->reading[b->n_reading++] = ls_slot_claim(b->s, L, e, b->experts[i], i);   /* room was counted */
         }
     }
 }
@@ -374,11 +377,11 @@ static int batch_join(Batch *b, bool *joined, bool *again) {
             LsEntry *e = &L->entries[b->experts[i]];
             LsSlot *v = L->slot_of[b->experts[i]];
             if (v && v->state == LS_RESIDENT) {
-                ls_slot_lease(L, v, &b->views[i]);
+                ls_slot_lease(L, v, &b->views[i], i);
             } else if (v && v->state == LS_READING) {
                 pending = true;
                 ls_demand_join(s, v);
-            } else if ((v = ls_slot_claim(s, L, e, b->experts[i])) != NULL) {
+            } else if ((v = ls_slot_claim(s, L, e, b->experts[i], i)) != NULL) {
                 rc = demand_read(s, L, v, &b->views[i], b->err, b->n);
             } else {
                 *again = true;
@@ -403,7 +406,7 @@ static void batch_finish(Batch *b, bool ok) {
         return;
     }
     for (int i = 0; i < b->count; i++)
-        if (b->first[i] != i) ls_slot_lease(L, L->slot_of[b->experts[i]], &b->views[i]);
+        if (b->first[i] != i) ls_slot_lease(L, L->slot_of[b->experts[i]], &b->views[i], b->first[i]);
 }
 
 static int lookup_many_impl(LsStore *s, int layer, const int *experts,
@@ -429,6 +432,7 @@ static int lookup_many_impl(LsStore *s, int layer, const int *experts,
     int rc = batch_prepare(&b);
     if (rc == COLI_OK) {
         pthread_mutex_lock(&L->mu);
+        L->clock++;
         bool joined = false, again;
         do {
             again = false;

@@ -117,9 +117,10 @@ static LsSlot *queued_slot(LsLayer *L) {
     return NULL;
 }
 
-LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert) {
+LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert, int rank) {
     LsSlot *v = L->slot_of[expert];
     if (v) {
+        if (L->policy->hit) L->policy->hit(L, v, rank);
         ls_slot_begin_read(L, v);
         ls_count_request(L, expert);
         L->c.hits++;
@@ -133,6 +134,7 @@ LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert) {
     if (!v && (v = queued_slot(L)) != NULL) ls_slot_empty(s, L, v);
     if (!v) return NULL;
     ls_slot_repurpose(s, L, v, e, expert, LS_READING, ls_next_generation(s));
+    if (L->policy->assign) L->policy->assign(L, v, rank);
     ls_count_request(L, expert);
     L->c.misses++;
     return v;
@@ -141,6 +143,7 @@ LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert) {
 void ls_slot_pin(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert) {
     assert(v->state == LS_EMPTY && v->evictable);
     ls_slot_repurpose(s, L, v, e, expert, LS_QUEUED, ls_next_generation(s));
+    if (L->policy->assign) L->policy->assign(L, v, -1);
     v->prefetched = false;
     v->pinned = true;
     L->n_pinned++;

@@ -84,9 +84,10 @@ static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
     view->lease_generation = v->generation;
 }
 
-/* lease: a hit. Takes a lease on resident slot v and counts it. */
-static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view) {
-    if (L->policy->hit) L->policy->hit(L, v);
+/* lease: a hit. Takes a lease on resident slot v and counts it; rank is
+ * the expert's place in the request (for the policy). */
+static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view, int rank) {
+    if (L->policy->hit) L->policy->hit(L, v, rank);
     if (v->evictable) ls_set_remove(L, v);
     v->leases++;
     L->leases++;
@@ -127,7 +128,7 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
  * prefetch, taken over (the worker will find it READING and skip the job),
  * else the policy's victim, else another expert's queued prefetch, emptied.
  * Counts the request. NULL when no slot is free now. */
-LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert);
+LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert, int rank);
 
 /* begin_read: a worker starts the queued prefetch in v (QUEUED -> READING). */
 void ls_slot_begin_read(LsLayer *L, LsSlot *v);

@@ -73,19 +73,20 @@ def cases(draw):
     tokens = draw(st.integers(0, 25))
     experts = np.array(draw(st.lists(st.integers(-1, EXPERTS - 1), min_size=tokens * 2 * k,
                                      max_size=tokens * 2 * k)), dtype=np.int32).reshape(tokens, 2, k)
-    return (slots[LAYERS[0]] if uniform else slots), pins, experts, draw(st.sampled_from([0, 2]))
+    return ((slots[LAYERS[0]] if uniform else slots), pins, experts, draw(st.sampled_from([0, 2])),
+            draw(st.sampled_from(POLICIES)))
 
 
 @given(cases())
 def test_replay_counters_equal_a_live_store(tiny_model, case):
-    slots, pins, experts, workers = case
+    slots, pins, experts, workers, policy = case
     layers = np.array(LAYERS, dtype=np.int32)
     replay = open_replay_store({layer: EXPERTS for layer in LAYERS}, slots_per_layer=slots,
-                               expert_nbytes=tiny_model.expert_nbytes, pin=pins)
+                               expert_nbytes=tiny_model.expert_nbytes, pin=pins, policy=policy)
     replay_error = run(lambda: replay.replay_tokens(layers, experts))
     results = [counters(replay)]
     for drive in (live_lease_many, lambda s, la, ex: s.replay_tokens(la, ex)):
-        with colibri.open_store(tiny_model.path, slots_per_layer=slots, pin=pins,
+        with colibri.open_store(tiny_model.path, slots_per_layer=slots, pin=pins, policy=policy,
                                 prefetch_workers=workers, slot_wait_timeout=0.01) as live:
             live.wait_idle()  # the pins
             assert run(lambda: drive(live, LAYERS, experts)) is replay_error
@@ -158,8 +159,20 @@ def test_slots_per_layer_mapping(small_model):
 
 
 def test_policies_come_from_the_library():
-    assert POLICIES[0] == "lru" and colibri.POLICIES == POLICIES
+    assert POLICIES[:2] == ("lru", "lfu") and colibri.POLICIES == POLICIES
     assert all(isinstance(p, str) and p for p in POLICIES)
+
+
+@pytest.mark.parametrize("policy, then", [("lru", "miss"), ("lfu", "hit")])
+def test_lfu_keeps_the_most_used_expert(policy, then):
+    """Two slots; expert 0 used three times, then 1, then 2: LRU evicts 0
+    (least recent), LFU evicts 1 (fewest uses)."""
+    store = open_replay_store({0: 4}, slots_per_layer=2, policy=policy)
+    layers = np.array([0], dtype=np.int32)
+    store.replay_tokens(layers, np.array([[[0]], [[0]], [[0]], [[1]], [[2]]], dtype=np.int32))
+    before = store.stats()
+    store.replay_tokens(layers, np.array([[[0]]], dtype=np.int32))
+    assert ("hit" if store.stats().hits > before.hits else "miss") == then
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -134,6 +134,7 @@ static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint
     cfg.pinned = pins ? PINS : NULL;
     cfg.n_pinned = pins ? 2 : 0;
     cfg.replay = replay;
+    cfg.policy = pins && !replay ? COLI_POLICY_LFU : COLI_POLICY_LRU;
     ColiExpertStore *store = NULL;
     char err[COLI_ERR_LEN];
     int rc = coli_lru_store_create(&cfg, &store, err, sizeof err);
@@ -204,7 +205,8 @@ int main(int argc, char **argv) {
     for (int mode = 0; mode < 6; mode++) {
         uint32_t workers = (mode & 1) || mode == 4 ? 2 : 0;
         /* mode 3 also lets prefetch reads share the disk instead of pausing;
-         * mode 4 pins two experts (their loads race the threads below),
+         * mode 4 pins two experts (their loads race the threads below) and
+         * evicts by LFU (a heap policy under threads),
          * mode 5 is a replay store with the same pins */
         int pins = mode >= 4, replay = mode == 5;
         ColiExpertStore *store = open_store(path, src, workers, mode == 2 || mode == 3, mode == 3, pins, replay);
