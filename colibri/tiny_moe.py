@@ -15,7 +15,9 @@ saved next to the weights, so nothing needs the network.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -73,10 +75,15 @@ def _tokenizer() -> Any:
 
 
 def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", *,
-                   dtype: str = "bfloat16", hidden_size: int = 64, seed: int = 0) -> str:
+                   dtype: str = "bfloat16", hidden_size: int = 64, seed: int = 0,
+                   fp8_block: int | None = None) -> str:
     """Write a tiny random ``model_type`` MoE checkpoint and its tokenizer
     to ``path`` (created); returns the path. ``dtype`` is what the weights
-    are saved in (``"bfloat16"`` or ``"float32"``)."""
+    are saved in (``"bfloat16"`` or ``"float32"``). ``fp8_block=B`` then
+    rewrites every projection weight (attention, dense and shared MLPs,
+    routed experts) as FP8 e4m3 with a float32 ``weight_scale_inv`` per
+    B x B block and declares it in config.json as DeepSeek-V3's FP8
+    checkpoints do (``quant_method: fp8``, ``weight_block_size: [B, B]``)."""
     import torch
     import transformers
 
@@ -109,7 +116,54 @@ def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if fp8_block is not None:
+        _to_fp8(out, fp8_block)
     return out
+
+
+_PROJECTION = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
+
+
+def _to_fp8(path: str, block: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if block < 1:
+        raise ValueError(f"fp8_block must be >= 1, got {block}")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    for name in files:
+        tensors = load_file(os.path.join(path, name))
+        out: dict[str, Any] = {}
+        for key, value in tensors.items():
+            if value.ndim != 2 or not _PROJECTION.search(key):
+                out[key] = value
+                continue
+            rows, cols = value.shape
+            br, bc = -(-rows // block), -(-cols // block)
+            padded = torch.zeros(br * block, bc * block)
+            padded[:rows, :cols] = value.float()
+            blocks = padded.view(br, block, bc, block)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0   # e4m3's largest value
+            quantized = (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols]
+            out[key] = quantized.contiguous().to(torch.float8_e4m3fn)
+            out[key + "_scale_inv"] = scale.float().contiguous()
+        save_file(out, os.path.join(path, name), metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+        for key, file in list(data["weight_map"].items()):
+            if _PROJECTION.search(key):
+                data["weight_map"][key + "_scale_inv"] = file
+        with open(index, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="qwen3_moe", choices=sorted(_ARCH))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8-block", type=int, default=None,
+                        help="save the projections as block-scaled FP8 with B x B blocks")
     args = parser.parse_args(argv)
-    print(write_tiny_moe(args.path, args.arch, dtype=args.dtype, seed=args.seed))
+    print(write_tiny_moe(args.path, args.arch, dtype=args.dtype, seed=args.seed, fp8_block=args.fp8_block))
     return 0
 
 

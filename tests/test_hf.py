@@ -177,6 +177,46 @@ def test_sampling_matches_stock(ckpt, stock) -> None:
         model.colibri_close()
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+def test_fp8_block_scaled_checkpoint(tmp_path, arch: str) -> None:
+    """Every projection FP8 with 16x16 block scales, as DeepSeek-V3 ships: the
+    stock model (transformers dequantizes on a CPU) and colibri (experts
+    dequantized per lease) give the same logits and tokens."""
+    path = write_tiny_moe(str(tmp_path / arch), arch, dtype="bfloat16", hidden_size=32, fp8_block=16)
+    with colibri.open_store(path, slots_per_layer=1, prefetch_workers=0) as store:
+        layer = store.layers[0]
+        with store.lease(layer, 0) as ex:
+            assert str(ex.gate.dtype) == "float8_e4m3fn" and ex.gate_scale is not None
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    model = hf.from_pretrained(path, slots_per_layer=1)
+    try:
+        assert model.dtype == ref.dtype == torch.bfloat16
+        assert not hasattr(model.config, "quantization_config")
+        assert not [n for n, _ in model.named_parameters() if ".mlp.experts." in n]
+        ids, mask = _batches(ref.config.vocab_size)[1]
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask).logits
+            got = model(ids, attention_mask=mask).logits
+        scale = float(want.float()[mask.bool()].abs().max())
+        assert _max_diff(got, want, mask) <= 4 * 2.0**-8 * scale
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+        assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+    finally:
+        model.colibri_close()
+
+
+def test_other_quantization_is_refused(ckpt, tmp_path, no_model_load) -> None:
+    import json
+    import shutil
+
+    path = shutil.copytree(ckpt("olmoe"), tmp_path / "awq")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.UnsupportedModelError, match="awq"):
+        hf.from_pretrained(path)
+
+
 def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
