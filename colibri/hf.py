@@ -204,7 +204,17 @@ class Runtime:
         if self.routing is not None:
             self.routing(layer, top_k_index.detach().cpu().numpy().astype(np.int64),
                          top_k_weights.detach().float().cpu().numpy())
-        union = sorted(int(e) for e in torch.unique(top_k_index).tolist())
+        # Which (token, position) pairs chose each expert, in one pass over a
+        # small host list (cheaper than a torch.where per expert at decode).
+        rows: dict[int, tuple[list[int], list[int]]] = {}
+        for t, chosen in enumerate(top_k_index.tolist()):
+            for j, e in enumerate(chosen):
+                r = rows.get(e)
+                if r is None:
+                    r = rows[e] = ([], [])
+                r[0].append(t)
+                r[1].append(j)
+        union = sorted(rows)
         pilot = self.pilot
         if pilot is not None:
             pilot.observe(layer, union)
@@ -223,15 +233,22 @@ class Runtime:
                         predicted = pilot.predict_next(layer, hidden_states)
                         self._predicted[nxt] = predicted
                 for ex in leased:
-                    e = ex.key[1]
-                    token_idx, pos = torch.where(top_k_index == e)
-                    if token_idx.numel() == 0:
-                        continue
-                    gate, up, down = (_weight(ex, role, compute_dtype) for role in ("gate", "up", "down"))
-                    x = hidden_states[token_idx]
-                    h = act(F.linear(x, gate)) * F.linear(x, up)
-                    y = F.linear(h, down)
-                    out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
+                    ts, js = rows[ex.key[1]]
+                    gate = _weight(ex, "gate", compute_dtype)
+                    up = _weight(ex, "up", compute_dtype)
+                    down = _weight(ex, "down", compute_dtype)
+                    if len(ts) == 1:
+                        t, j = ts[0], js[0]
+                        x = hidden_states[t:t + 1]
+                        y = F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                        # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
+                        out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
+                    else:
+                        token_idx = torch.tensor(ts, device=hidden_states.device)
+                        pos = torch.tensor(js, device=hidden_states.device)
+                        x = hidden_states[token_idx]
+                        y = F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                        out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
                     del gate, up, down
         if self.progress is not None:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
@@ -413,8 +430,8 @@ def from_pretrained(
 
     ``capacity_bytes`` / ``slots_per_layer`` are the store's budget (at most
     one; neither: the store's default), ``prefetch="pilot"`` turns PILOT on,
-    ``"off"`` or None off (no I/O workers are started then unless
-    ``prefetch_workers`` asks), ``direct_io`` reads with O_DIRECT,
+    ``"off"`` or None off (the store then starts no I/O workers, whatever
+    ``prefetch_workers`` says), ``direct_io`` reads with O_DIRECT,
     ``torch_dtype`` is transformers' ``dtype`` (None: what
     ``AutoModelForCausalLM.from_pretrained`` picks). Other keywords go to
     :func:`colibri.open_store`.
@@ -446,7 +463,7 @@ def from_pretrained(
         options["slots_per_layer"] = slots_per_layer
     if direct_io is not None:
         options["direct_io"] = direct_io
-    options["prefetch_workers"] = prefetch_workers
+    options["prefetch_workers"] = prefetch_workers if pilot_on else 0
     store = open_store(path, **options)
     try:
         config = transformers.AutoConfig.from_pretrained(path)

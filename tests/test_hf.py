@@ -133,6 +133,7 @@ def test_f32_logits_and_greedy_equal_stock(ckpt, stock, arch: str) -> None:
             assert all(p.groups == -(-p.experts // slots) for p in groups.seen)
             if prefetch is None:
                 assert runtime.pilot is None and stats.prefetched == 0
+                assert hf.store_of(model).prefetch_workers == 0
             else:
                 report = runtime.pilot.report()
                 assert report.predictions > 0 and 0.0 < report.recall <= 1.0
