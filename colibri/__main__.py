@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from colibri.tiering_cli import add_commands
 
     add_commands(sub)  # replay, plan
+    from colibri.generate_cli import add_parser as add_generate
+
+    add_generate(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

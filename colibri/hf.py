@@ -27,6 +27,10 @@ applied to layer L's router input and the experts it names are prefetched,
 right after layer L's own experts are leased. Its precision and recall are
 those of :class:`colibri.Pilot` (``colibri.hf.runtime_of(model).pilot.report()``).
 
+Block-scaled FP8 checkpoints (``quant_method: fp8``) load through
+transformers' FP8 loader in dequantize mode, subclassed the same way: the
+non-expert weights are dequantized at load, each routed expert when leased.
+
 Supported: transformers 5.x with the experts interface (tested on 5.24), and
 the architectures in :data:`SUPPORTED_MODEL_TYPES`. See docs/hf.md.
 """
@@ -74,6 +78,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 
 IMPLEMENTATION = "colibri"
+FP8_IMPLEMENTATION = "colibri_fp8"
 _EXPERTS_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias",
                   "gate_up_proj_scale_inv", "down_proj_scale_inv")
@@ -199,7 +204,17 @@ class Runtime:
         if self.routing is not None:
             self.routing(layer, top_k_index.detach().cpu().numpy().astype(np.int64),
                          top_k_weights.detach().float().cpu().numpy())
-        union = sorted(int(e) for e in torch.unique(top_k_index).tolist())
+        # Which (token, position) pairs chose each expert, in one pass over a
+        # small host list (cheaper than a torch.where per expert at decode).
+        rows: dict[int, tuple[list[int], list[int]]] = {}
+        for t, chosen in enumerate(top_k_index.tolist()):
+            for j, e in enumerate(chosen):
+                r = rows.get(e)
+                if r is None:
+                    r = rows[e] = ([], [])
+                r[0].append(t)
+                r[1].append(j)
+        union = sorted(rows)
         pilot = self.pilot
         if pilot is not None:
             pilot.observe(layer, union)
@@ -218,15 +233,22 @@ class Runtime:
                         predicted = pilot.predict_next(layer, hidden_states)
                         self._predicted[nxt] = predicted
                 for ex in leased:
-                    e = ex.key[1]
-                    token_idx, pos = torch.where(top_k_index == e)
-                    if token_idx.numel() == 0:
-                        continue
-                    gate, up, down = (_weight(ex, role, compute_dtype) for role in ("gate", "up", "down"))
-                    x = hidden_states[token_idx]
-                    h = act(F.linear(x, gate)) * F.linear(x, up)
-                    y = F.linear(h, down)
-                    out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
+                    ts, js = rows[ex.key[1]]
+                    gate = _weight(ex, "gate", compute_dtype)
+                    up = _weight(ex, "up", compute_dtype)
+                    down = _weight(ex, "down", compute_dtype)
+                    if len(ts) == 1:
+                        t, j = ts[0], js[0]
+                        x = hidden_states[t:t + 1]
+                        y = F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                        # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
+                        out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
+                    else:
+                        token_idx = torch.tensor(ts, device=hidden_states.device)
+                        pos = torch.tensor(js, device=hidden_states.device)
+                        x = hidden_states[token_idx]
+                        y = F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                        out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
                     del gate, up, down
         if self.progress is not None:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
@@ -308,16 +330,7 @@ def _register() -> tuple[Any, Any]:
                 requires_calibration = False
 
                 def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
-                    for module in _experts_modules(model).values():
-                        for name in _EXPERT_PARAMS:
-                            if name in module._parameters:
-                                del module._parameters[name]
-                        # Nothing left for transformers' weight init to fill in.
-                        module._is_hf_initialized = True
-                    # The checkpoint's expert tensors are skipped on purpose: no warning.
-                    ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-                    ignored.add(_SKIPPED_KEYS)
-                    model._keys_to_ignore_on_load_unexpected = ignored
+                    _drop_routed_experts(model)
                     return model
 
                 def is_serializable(self) -> bool:
@@ -327,12 +340,55 @@ def _register() -> tuple[Any, Any]:
                 def is_trainable(self) -> bool:
                     return False
 
-            if IMPLEMENTATION not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-                register_quantization_config(IMPLEMENTATION)(ColibriLoadConfig)
-            if IMPLEMENTATION not in AUTO_QUANTIZER_MAPPING:
-                register_quantizer(IMPLEMENTATION)(ColibriLoader)
+            from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+            from transformers.utils.quantization_config import FineGrainedFP8Config
+
+            class ColibriFP8LoadConfig(FineGrainedFP8Config):
+                """A block-scaled FP8 checkpoint loaded by colibri.hf: transformers
+                dequantizes the non-expert weights on load (as it does on a CPU),
+                the routed experts stay FP8 in the store."""
+
+                def __init__(self, **kwargs: Any) -> None:
+                    kwargs["quant_method"] = FP8_IMPLEMENTATION
+                    kwargs["dequantize"] = True
+                    super().__init__(**kwargs)
+
+            class ColibriFP8Loader(FineGrainedFP8HfQuantizer):
+                """transformers' FP8 loader in dequantize mode, minus the routed experts."""
+
+                def __init__(self, quantization_config: Any, **kwargs: Any) -> None:
+                    kwargs["pre_quantized"] = True      # the checkpoint is FP8
+                    super().__init__(quantization_config, **kwargs)
+
+                def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+                    super()._process_model_before_weight_loading(model, **kwargs)
+                    _drop_routed_experts(model)
+                    return model
+
+            for name, config_cls, loader_cls in (
+                    (IMPLEMENTATION, ColibriLoadConfig, ColibriLoader),
+                    (FP8_IMPLEMENTATION, ColibriFP8LoadConfig, ColibriFP8Loader)):
+                if name not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+                    register_quantization_config(name)(config_cls)
+                if name not in AUTO_QUANTIZER_MAPPING:
+                    register_quantizer(name)(loader_cls)
             _registered = True
-    return AUTO_QUANTIZATION_CONFIG_MAPPING[IMPLEMENTATION], AUTO_QUANTIZER_MAPPING[IMPLEMENTATION]
+    return AUTO_QUANTIZATION_CONFIG_MAPPING[IMPLEMENTATION], AUTO_QUANTIZATION_CONFIG_MAPPING[FP8_IMPLEMENTATION]
+
+
+def _drop_routed_experts(model: Any) -> None:
+    """On the meta skeleton: remove the routed experts' parameters so that
+    transformers neither reads nor allocates them."""
+    for module in _experts_modules(model).values():
+        for name in _EXPERT_PARAMS:
+            if name in module._parameters:
+                del module._parameters[name]
+        # Nothing left for transformers' weight init to fill in.
+        module._is_hf_initialized = True
+    # The checkpoint's expert tensors are skipped on purpose: no warning.
+    ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    ignored.add(_SKIPPED_KEYS)
+    model._keys_to_ignore_on_load_unexpected = ignored
 
 
 # -- the public entry points --
@@ -374,8 +430,8 @@ def from_pretrained(
 
     ``capacity_bytes`` / ``slots_per_layer`` are the store's budget (at most
     one; neither: the store's default), ``prefetch="pilot"`` turns PILOT on,
-    ``"off"`` or None off (no I/O workers are started then unless
-    ``prefetch_workers`` asks), ``direct_io`` reads with O_DIRECT,
+    ``"off"`` or None off (the store then starts no I/O workers, whatever
+    ``prefetch_workers`` says), ``direct_io`` reads with O_DIRECT,
     ``torch_dtype`` is transformers' ``dtype`` (None: what
     ``AutoModelForCausalLM.from_pretrained`` picks). Other keywords go to
     :func:`colibri.open_store`.
@@ -396,7 +452,7 @@ def from_pretrained(
         raise UnsupportedModelError(
             f"{path}: quantization {quant.get('quant_method')!r} is not supported "
             "(colibri.hf runs float and block-scaled FP8 checkpoints)")
-    config_cls, _ = _register()
+    config_cls, fp8_config_cls = _register()
     import torch
     import transformers
 
@@ -407,16 +463,22 @@ def from_pretrained(
         options["slots_per_layer"] = slots_per_layer
     if direct_io is not None:
         options["direct_io"] = direct_io
-    options["prefetch_workers"] = prefetch_workers
+    options["prefetch_workers"] = prefetch_workers if pilot_on else 0
     store = open_store(path, **options)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        if getattr(config, "quantization_config", None) is not None:
-            raise UnsupportedModelError(
-                f"{path}: FP8-quantized checkpoints load only their experts through colibri; "
-                "the rest of the model must be float")
+        load_config = config_cls()
+        quant_cfg = getattr(config, "quantization_config", None)
+        if quant_cfg is not None:
+            # Block-scaled FP8: the experts are dequantized per lease by colibri,
+            # everything else by transformers' FP8 loader at load time.
+            fp8 = dict(quant_cfg if isinstance(quant_cfg, dict) else quant_cfg.to_dict())
+            fp8.pop("quant_method", None)
+            fp8.pop("dequantize", None)
+            load_config = fp8_config_cls(**fp8)
+            del config.quantization_config
         kwargs: dict[str, Any] = {"config": config, "experts_implementation": IMPLEMENTATION,
-                                  "quantization_config": config_cls()}
+                                  "quantization_config": load_config}
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype
         model_cls = getattr(transformers, SUPPORTED_MODEL_TYPES[config.model_type])

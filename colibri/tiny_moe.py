@@ -1,0 +1,184 @@
+"""A tiny transformers MoE checkpoint with a local tokenizer, for trying
+``colibri generate`` and :func:`colibri.hf.from_pretrained` without a download.
+
+    python -m colibri.tiny_moe tiny-moe          # writes ./tiny-moe
+    colibri generate tiny-moe --prompt "the cat" --slots 2 --stats
+
+The model is built by transformers' own config class for the architecture
+(Qwen3-MoE by default; any of :data:`colibri.hf.SUPPORTED_MODEL_TYPES`) and
+written with ``save_pretrained``; its weights are random (seeded), so its text
+is gibberish, but every routed expert really streams through the store. The
+tokenizer is a word-level ``tokenizers`` model over a small fixed word list,
+saved next to the weights, so nothing needs the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Any
+
+__all__ = ["WORDS", "write_tiny_moe"]
+
+#: The tokenizer's vocabulary after its special tokens.
+WORDS = tuple(
+    "the a an of to in and or is was are be it that this on for with as at by from cat dog bird "
+    "fish tree river stone house road city sky sun moon star rain wind fire water light dark old "
+    "new big small red blue green one two three many some all no not very then there here when "
+    "where what who why how run walk fly swim see hear say know think make take give find keep "
+    "open close read write store cache disk expert layer token model route lease slot fast slow "
+    "hello world".split()
+)
+_SPECIALS = ("<unk>", "<pad>", "<eos>")
+
+_ARCH: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, head_dim=16)),
+    "mixtral": ("MixtralConfig", dict(
+        num_hidden_layers=4, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=16,
+        num_experts_per_tok=4, shared_expert_intermediate_size=64, norm_topk_prob=False)),
+    "olmoe": ("OlmoeConfig", dict(
+        num_hidden_layers=4, intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=False)),
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+        num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+        num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+        num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.8, norm_topk_prob=True, head_dim=16)),
+}
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<eos>")
+
+
+def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", *,
+                   dtype: str = "bfloat16", hidden_size: int = 64, seed: int = 0,
+                   fp8_block: int | None = None) -> str:
+    """Write a tiny random ``model_type`` MoE checkpoint and its tokenizer
+    to ``path`` (created); returns the path. ``dtype`` is what the weights
+    are saved in (``"bfloat16"`` or ``"float32"``). ``fp8_block=B`` then
+    rewrites every projection weight (attention, dense and shared MLPs,
+    routed experts) as FP8 e4m3 with a float32 ``weight_scale_inv`` per
+    B x B block and declares it in config.json as DeepSeek-V3's FP8
+    checkpoints do (``quant_method: fp8``, ``weight_block_size: [B, B]``)."""
+    import torch
+    import transformers
+
+    if model_type not in _ARCH:
+        raise ValueError(f"model_type must be one of {', '.join(sorted(_ARCH))}, not {model_type!r}")
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype must be 'bfloat16' or 'float32', not {dtype!r}")
+    config_name, kwargs = _ARCH[model_type]
+    tokenizer = _tokenizer()
+    common: dict[str, Any] = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    common.update(kwargs)
+    config = getattr(transformers, config_name)(**common)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Well-spread weights: the default init leaves routers at zero (ties everywhere).
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.2)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    out = os.fspath(path)
+    os.makedirs(out, exist_ok=True)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if fp8_block is not None:
+        _to_fp8(out, fp8_block)
+    return out
+
+
+_PROJECTION = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
+
+
+def _to_fp8(path: str, block: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if block < 1:
+        raise ValueError(f"fp8_block must be >= 1, got {block}")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    for name in files:
+        tensors = load_file(os.path.join(path, name))
+        out: dict[str, Any] = {}
+        for key, value in tensors.items():
+            if value.ndim != 2 or not _PROJECTION.search(key):
+                out[key] = value
+                continue
+            rows, cols = value.shape
+            br, bc = -(-rows // block), -(-cols // block)
+            padded = torch.zeros(br * block, bc * block)
+            padded[:rows, :cols] = value.float()
+            blocks = padded.view(br, block, bc, block)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0   # e4m3's largest value
+            quantized = (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols]
+            out[key] = quantized.contiguous().to(torch.float8_e4m3fn)
+            out[key + "_scale_inv"] = scale.float().contiguous()
+        save_file(out, os.path.join(path, name), metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+        for key, file in list(data["weight_map"].items()):
+            if _PROJECTION.search(key):
+                data["weight_map"][key + "_scale_inv"] = file
+        with open(index, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colibri.tiny_moe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path")
+    parser.add_argument("--arch", default="qwen3_moe", choices=sorted(_ARCH))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8-block", type=int, default=None,
+                        help="save the projections as block-scaled FP8 with B x B blocks")
+    args = parser.parse_args(argv)
+    print(write_tiny_moe(args.path, args.arch, dtype=args.dtype, seed=args.seed, fp8_block=args.fp8_block))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""``colibri generate`` end to end on a tiny checkpoint: exit status 0, stdout
+is exactly what transformers' own ``generate`` gives on the fully loaded model
+(decoded), stderr ends with the summary, and ``--trace`` writes a routing
+trace of every forwarded token. Bad input exits 2 with a message.
+
+Needs torch and transformers; skipped without them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import colibri  # noqa: E402
+from colibri.__main__ import main as cli_main  # noqa: E402
+from colibri.tiny_moe import write_tiny_moe  # noqa: E402
+
+PROMPT = "the old cat and the big dog run to the river"
+NEW = 10
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matrices: one thread is faster, and far faster on a shared, busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_tiny_moe(str(tmp_path_factory.mktemp("tiny-moe")), "qwen3_moe", dtype="bfloat16")
+
+
+def _stock_text(path: str) -> tuple[str, int]:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=True), int(inputs["input_ids"].shape[1])
+
+
+def test_generate_end_to_end_equals_transformers(tiny: str, tmp_path) -> None:
+    want, prompt_tokens = _stock_text(tiny)
+    trace_file = tmp_path / "routing.npz"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "colibri", "generate", tiny, "--prompt", PROMPT, "--max-new-tokens", str(NEW),
+         "--slots", "2", "--stats", "--trace", str(trace_file)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == want.strip()
+    assert want.startswith(PROMPT)
+    err = proc.stderr
+    assert "prefill: " in err and "lease group" in err
+    summary = [line for line in err.splitlines() if "tokens/s" in line]
+    assert summary and "hit rate" in summary[0] and "prefetch precision" in summary[0]
+    assert "prefetch_hits" in err and '"precision"' in err          # --stats
+    trace = colibri.Trace.load(trace_file)
+    # every forwarded token: the prompt, and each new token but the last
+    assert len(trace) == prompt_tokens + NEW - 1
+    assert trace.experts.shape[2] == 4 and (trace.experts >= 0).all()
+    assert trace.weights is not None and np.isfinite(trace.weights).all()
+
+
+def test_generate_prefetch_off_and_ram_budget(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    want, _ = _stock_text(tiny)
+    rc = cli_main(["generate", tiny, "--prompt", PROMPT, "--max-new-tokens", str(NEW),
+                   "--ram-gb", "0.0001", "--prefetch", "off"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.strip() == want.strip()
+    assert "prefetch precision off" in out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slots", "0"], "slots_per_layer must be >= 1"),
+    (["--ram-gb", "0.000000001"], "too small"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+])
+def test_generate_bad_input_exits_2(tiny: str, capsys: pytest.CaptureFixture[str], argv, message) -> None:
+    rc = cli_main(["generate", tiny, "--prompt", PROMPT, *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_unsupported_checkpoint(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["generate", str(tmp_path), "--prompt", PROMPT])
+    assert rc == 2
+    assert "no config.json" in capsys.readouterr().err
