@@ -45,9 +45,10 @@ import numpy as np
 
 from colibri.errors import ColibriError, FormatError
 from colibri.fp8 import dequantize
+from colibri.layouts import FP8_BLOCK, PLAIN
 from colibri.pilot import Pilot
 from colibri.store import Store, open_store
-from colibri.torch_interop import as_torch
+from colibri.torch_interop import as_torch, dequantize_torch
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -222,7 +223,7 @@ class Runtime:
                     token_idx, pos = torch.where(top_k_index == e)
                     if token_idx.numel() == 0:
                         continue
-                    gate, up, down = (_weight(ex, role, compute_dtype) for role in ("gate", "up", "down"))
+                    gate, up, down = _weights(ex, compute_dtype)
                     x = hidden_states[token_idx]
                     h = act(F.linear(x, gate)) * F.linear(x, up)
                     y = F.linear(h, down)
@@ -232,6 +233,19 @@ class Runtime:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
                                         tokens, len(union), len(groups)))
         return out.sum(dim=1).to(hidden_states.dtype)
+
+
+def _weights(ex: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """gate, up and down of a leased expert as torch tensors of ``dtype``,
+    in the Mixtral orientation: the leased bytes themselves where the file
+    has them so, otherwise dequantized (fused or (in, out) layouts, MXFP4,
+    int4) into fresh tensors that live only for this expert."""
+    info = ex.tensors
+    if info.fused or info.transposed or info.scheme not in (PLAIN, FP8_BLOCK):
+        weights = dequantize_torch(ex)
+        return weights["gate"].to(dtype), weights["up"].to(dtype), weights["down"].to(dtype)
+    gate, up, down = (_weight(ex, role, dtype) for role in ("gate", "up", "down"))
+    return gate, up, down
 
 
 def _weight(ex: Any, role: str, dtype: Any) -> Any:

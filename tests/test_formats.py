@@ -542,3 +542,22 @@ def test_refused_c_formats(tmp_path: Path) -> None:
         err = ffi.new("char[]", 256)
         assert lib.coli_lru_store_create(cfg, out, err, 256) == lib.COLI_ECONFIG
         assert b"not supported" in ffi.string(err)
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def test_inspect_shows_format_and_fusion(gpt_oss_mxfp4: Path, llama4: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from colibri.__main__ import main
+
+    assert main(["inspect", str(gpt_oss_mxfp4), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    row = data["layers"][0]
+    assert (data["layout"], row["format"], row["group_size"], row["fused"], row["orientation"]) == (
+        "gpt_oss", "mxfp4", 32, "interleaved", "out_in")
+    assert row["parts"] == ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_bias", "down_bias"]
+    assert row["bytes_per_expert"] == scan_model(gpt_oss_mxfp4).expert_nbytes(0)
+    assert main(["inspect", str(llama4)]) == 0
+    text = capsys.readouterr().out
+    assert "plain" in text and "concatenated (in,out)" in text
