@@ -561,3 +561,27 @@ def test_inspect_shows_format_and_fusion(gpt_oss_mxfp4: Path, llama4: Path,
     assert main(["inspect", str(llama4)]) == 0
     text = capsys.readouterr().out
     assert "plain" in text and "concatenated (in,out)" in text
+
+
+def test_ranges_a_few_bytes_apart_are_one_read(tmp_path: Path) -> None:
+    """A small tensor between an expert's parts (as weight_shape sits between
+    a packed weight and its scales) does not cost a second read."""
+    import errno
+
+    tensors = {}
+    for e in range(2):
+        for role in ("w1", "w2", "w3"):
+            shape = (16, 8) if role == "w2" else (8, 16)
+            tensors[f"model.layers.0.block_sparse_moe.experts.{e}.{role}.weight"] = np.full(shape, e, np.float32)
+        tensors[f"model.layers.0.block_sparse_moe.experts.{e}.w1x"] = np.zeros(2, np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ex = scan_model(tmp_path).expert(0, 0)
+    ranges = sorted((t.offset, t.end) for t in ex.tensors())
+    gaps = [b[0] - a[1] for a, b in zip(ranges, ranges[1:])]
+    assert max(gaps) > 0  # the parts do not touch
+    with colibri.open_store(tmp_path, slots_per_layer=2, prefetch_workers=0) as store:
+        store._inject_read_fault(2, errno.EIO)  # the second read from now fails
+        with store.lease(0, 0) as lease:  # one read
+            assert float(lease.gate[0, 0]) == 0.0
+        with pytest.raises(colibri.ExpertLoadError):
+            store.lease(0, 1)
