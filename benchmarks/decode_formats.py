@@ -59,6 +59,7 @@ from colibri.dequant import E2M1_VALUES  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 FORMATS = ("bf16", "int4", "mxfp4")
+_MIDPOINTS = (E2M1_VALUES[1:8] + E2M1_VALUES[0:7]) / 2
 
 
 # ------------------------------------------------------------- quantizers --
@@ -80,9 +81,10 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows, cols = w.shape
     g = w.reshape(rows, cols // 32, 32)
     top = np.maximum(np.abs(g).max(axis=2), 1e-30)
-    exp = np.floor(np.log2(top)).astype(np.int32) - 2  # e2m1 reaches 6 = 1.5 * 2**2
+    exp = np.ceil(np.log2(top / 6.0)).astype(np.int32)  # the block maximum fits e2m1's 6
     scaled = g / np.ldexp(1.0, exp)[:, :, None]
-    codes = np.abs(scaled[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
+    # nearest e2m1 magnitude (0, .5, 1, 1.5, 2, 3, 4, 6) by the midpoints between them
+    codes = np.searchsorted(_MIDPOINTS, np.abs(scaled)).astype(np.uint8) | ((scaled < 0) << 3).astype(np.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return blocks, np.clip(exp + 127, 0, 254).astype(np.uint8)
 

@@ -585,3 +585,18 @@ def test_ranges_a_few_bytes_apart_are_one_read(tmp_path: Path) -> None:
             assert float(lease.gate[0, 0]) == 0.0
         with pytest.raises(colibri.ExpertLoadError):
             store.lease(0, 1)
+
+
+def test_mxfp4_extreme_scales_equal_transformers() -> None:
+    """Scale bytes 0 (2**-127, subnormal) and 255 (past float32) decode as
+    transformers' convert_moe_packed_tensors does."""
+    from colibri.dequant import mxfp4_to_float
+
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (2, 6, 3, 16), dtype=np.uint8)
+    for scales in (rng.integers(0, 256, (2, 6, 3), dtype=np.uint8),
+                   rng.integers(0, 255, (2, 6, 3), dtype=np.uint8)):
+        scales[0, 0, 0], scales[1, 5, 2] = 0, 254
+        ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                         dtype=torch.float32).transpose(1, 2).numpy()
+        np.testing.assert_array_equal(mxfp4_to_float(blocks, scales), ref)
