@@ -397,10 +397,10 @@ def test_int4_moe_block_uses_the_dequantized_weights(int4: tuple[Path, Any, bool
 # ---------------------------------------------------------------- torch interop
 
 
-def test_torch_dequantize_matches_numpy(gpt_oss_mxfp4: Path) -> None:
+def _assert_torch_dequantize_matches(path: Path) -> None:
     from colibri.torch_interop import dequantize_torch
 
-    with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=2) as store:
+    with colibri.open_store(path, slots_per_layer=2) as store:
         with store.lease(1, 1) as ex:
             want = colibri.dequantize(ex)
             got = dequantize_torch(ex)
@@ -409,6 +409,15 @@ def test_torch_dequantize_matches_numpy(gpt_oss_mxfp4: Path) -> None:
     for name in want:
         assert got[name].dtype == torch.float32
         np.testing.assert_array_equal(got[name].numpy(), want[name])
+
+
+@pytest.mark.parametrize("fixture", ["gpt_oss", "gpt_oss_mxfp4", "llama4"])
+def test_torch_dequantize_matches_numpy(fixture: str, request: Any) -> None:
+    _assert_torch_dequantize_matches(request.getfixturevalue(fixture))
+
+
+def test_torch_dequantize_int4_matches_numpy(int4: tuple[Path, Any, bool]) -> None:
+    _assert_torch_dequantize_matches(int4[0])
 
 
 def test_torch_views_of_packed_parts(gpt_oss_mxfp4: Path) -> None:
@@ -600,3 +609,20 @@ def test_mxfp4_extreme_scales_equal_transformers() -> None:
         ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                          dtype=torch.float32).transpose(1, 2).numpy()
         np.testing.assert_array_equal(mxfp4_to_float(blocks, scales), ref)
+
+
+def test_parts_kept_past_the_lease_keep_it(gpt_oss_mxfp4: Path) -> None:
+    """A parts dict is a new dict of the lease's arrays: kept past the lease
+    it holds the slot (with a ResourceWarning) until it is deleted."""
+    with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=1) as store:
+        with pytest.warns(ResourceWarning):
+            with store.lease(0, 1) as ex:
+                kept = ex.parts
+        assert store.active_leases == 1
+        blocks = bytes(kept["gate_up"].tobytes())
+        with store.lease(0, 1) as again:  # the same slot, still holding expert 1
+            assert again.parts["gate_up"].tobytes() == blocks
+        del kept
+        assert store.active_leases == 0
+        with pytest.raises(colibri.LeaseError):
+            ex.parts
