@@ -626,3 +626,33 @@ def test_parts_kept_past_the_lease_keep_it(gpt_oss_mxfp4: Path) -> None:
         assert store.active_leases == 0
         with pytest.raises(colibri.LeaseError):
             ex.parts
+
+
+def test_expert_parts_offsets(gpt_oss_mxfp4: Path) -> None:
+    """coli_lru_expert_parts: 6 + extra parts, UINT64_MAX for absent ones,
+    at most cap written, ENOTFOUND for an unknown key."""
+    from colibri._ffi import ffi, lib
+
+    absent = 2**64 - 1
+    with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=1) as store:
+        handle = store._handle
+        out = ffi.new("uint64_t[]", [7] * 10)
+        assert lib.coli_lru_expert_parts(handle, 0, 2, out, 10) == 8
+        offsets = list(out[0:8])
+        assert offsets[1] == offsets[4] == absent  # up and its scale: fused into gate
+        present = [o for o in offsets if o != absent]
+        assert len(set(present)) == 6 and out[8] == 7 and out[9] == 7
+        short = ffi.new("uint64_t[]", [7] * 3)
+        assert lib.coli_lru_expert_parts(handle, 0, 2, short, 2) == 8
+        assert list(short[0:2]) == offsets[:2] and short[2] == 7
+        assert lib.coli_lru_expert_parts(handle, 0, EXPERTS, out, 10) == lib.COLI_ENOTFOUND
+        assert lib.coli_lru_expert_parts(handle, 9, 0, out, 10) == lib.COLI_ENOTFOUND
+        # The slot's start plus each offset is where the lease's arrays are.
+        with store.lease(0, 2) as ex:
+            parts = ex.parts
+            start = parts["gate_up"].ctypes.data - offsets[0]
+            names = [n for n in ex.tensors.part_names()]
+            for name, offset in zip(names, offsets):
+                if name is not None:
+                    assert parts[name].ctypes.data == start + offset, name
+            del parts
