@@ -36,6 +36,9 @@ __all__ = ["dequantize", "mxfp4_to_float", "unpack_int4", "int4_to_float", "E2M1
 # The 16 values of an e2m1 nibble (sign bit 3, exponent bits 2-1, mantissa bit 0).
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+# For each byte, its two values (low nibble first) as one 8-byte word.
+_E2M1_PAIRS = np.ascontiguousarray(np.stack(
+    [E2M1_VALUES[np.arange(256) & 0x0F], E2M1_VALUES[np.arange(256) >> 4]], axis=1)).view(np.uint64)[:, 0]
 
 
 def mxfp4_to_float(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -47,11 +50,16 @@ def mxfp4_to_float(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         raise FormatError(f"MXFP4 blocks must be uint8 (..., groups, 16), not {b.dtype}{list(b.shape)}")
     if sc.shape != b.shape[:-1]:
         raise FormatError(f"MXFP4 scales {list(sc.shape)} do not match blocks {list(b.shape)}")
-    out = np.empty(b.shape[:-1] + (32,), dtype=np.float32)
-    out[..., 0::2] = E2M1_VALUES[b & 0x0F]
-    out[..., 1::2] = E2M1_VALUES[b >> 4]
+    # One gather of 8 bytes per byte of blocks: both of its values at once.
+    out = np.take(_E2M1_PAIRS, b.astype(np.intp)).view(np.float32)  # (..., G, 32)
     exponents = sc.view(np.uint8).astype(np.int32) - 127
-    out = np.ldexp(out, exponents[..., None]).astype(np.float32, copy=False)
+    if (exponents < 128).all():
+        # 2**e is exact in float32 for e in -127..127 (subnormal below -126),
+        # so the product rounds as ldexp does.
+        with np.errstate(over="ignore"):  # 6 * 2**127 is inf, as with ldexp
+            out *= np.ldexp(np.float32(1), exponents).astype(np.float32)[..., None]
+    else:  # e8m0 255 (NaN): ldexp's answers (0 stays 0), as the reference gives
+        out = np.ldexp(out, exponents[..., None]).astype(np.float32, copy=False)
     return out.reshape(b.shape[:-2] + (b.shape[-2] * 32,))
 
 

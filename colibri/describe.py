@@ -1,7 +1,8 @@
 """What `colibri inspect` reports about a checkpoint, as plain data.
 
-:func:`describe` gathers the routed experts' layers, counts, sizes and
-dtypes, the router's top-k when the model's ``config.json`` gives it, and,
+:func:`describe` gathers the routed experts' layers, counts, sizes,
+dtypes and format (plain, fp8_block, mxfp4, int4 with its group size;
+fused gate_up and (in, out) orientation), the router's top-k when the model's ``config.json`` gives it, and,
 for a budget (slots per layer or bytes of RAM), the cache the store would
 build for it. :func:`render` turns that into the table and summary line the
 command prints; ``colibri inspect --json`` prints the data itself.
@@ -105,6 +106,11 @@ def describe(model: ModelExperts, source: Any = None, *, slots: int | None = Non
             "experts": model.num_experts(layer),
             "bytes_per_expert": model.expert_nbytes(layer),
             "dtypes": sorted({t.dtype for t in ex.tensors()}),
+            "format": ex.scheme,
+            "group_size": ex.group_size or None,
+            "fused": ex.fused,
+            "orientation": "in_out" if ex.transposed else "out_in",
+            "parts": [name for name in ex.part_names() if name is not None],
         })
     counts = [model.num_experts(layer) for layer in model.layers]
     summary = {
@@ -144,10 +150,12 @@ def _span(low: int, high: int) -> str:
 def render(data: dict[str, Any]) -> str:
     """The table of `colibri inspect` and its summary line."""
     lines = [f"layout: {data['layout']}", f"files: {len(data['files'])}",
-             f"{'layer':>6} {'experts':>8} {'bytes/expert':>14}  dtypes"]
+             f"{'layer':>6} {'experts':>8} {'bytes/expert':>14}  {'format':<10} {'fused':<21}  dtypes"]
     for row in data["layers"]:
+        fmt = row["format"] + (f"/{row['group_size']}" if row.get("group_size") else "")
+        fused = (row["fused"] or "-") + (" (in,out)" if row["orientation"] == "in_out" else "")
         lines.append(f"{row['layer']:>6} {row['experts']:>8} {row['bytes_per_expert']:>14,}  "
-                     f"{','.join(row['dtypes'])}")
+                     f"{fmt:<10} {fused:<21}  {','.join(row['dtypes'])}")
     s = data["summary"]
     per_layer = s["experts_per_layer"]
     parts = [

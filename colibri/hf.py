@@ -49,9 +49,10 @@ import numpy as np
 
 from colibri.errors import ColibriError, FormatError
 from colibri.fp8 import dequantize
+from colibri.layouts import FP8_BLOCK, PLAIN
 from colibri.pilot import Pilot
 from colibri.store import Store, open_store
-from colibri.torch_interop import as_torch
+from colibri.torch_interop import as_torch, dequantize_torch
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -234,9 +235,7 @@ class Runtime:
                         self._predicted[nxt] = predicted
                 for ex in leased:
                     ts, js = rows[ex.key[1]]
-                    gate = _weight(ex, "gate", compute_dtype)
-                    up = _weight(ex, "up", compute_dtype)
-                    down = _weight(ex, "down", compute_dtype)
+                    gate, up, down = _weights(ex, compute_dtype)
                     if len(ts) == 1:
                         t, j = ts[0], js[0]
                         x = hidden_states[t:t + 1]
@@ -254,6 +253,19 @@ class Runtime:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
                                         tokens, len(union), len(groups)))
         return out.sum(dim=1).to(hidden_states.dtype)
+
+
+def _weights(ex: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """gate, up and down of a leased expert as torch tensors of ``dtype``,
+    in the Mixtral orientation: the leased bytes themselves where the file
+    has them so, otherwise dequantized (fused or (in, out) layouts, MXFP4,
+    int4) into fresh tensors that live only for this expert."""
+    info = ex.tensors
+    if info.fused or info.transposed or info.scheme not in (PLAIN, FP8_BLOCK):
+        weights = dequantize_torch(ex)
+        return weights["gate"].to(dtype), weights["up"].to(dtype), weights["down"].to(dtype)
+    gate, up, down = (_weight(ex, role, dtype) for role in ("gate", "up", "down"))
+    return gate, up, down
 
 
 def _weight(ex: Any, role: str, dtype: Any) -> Any:

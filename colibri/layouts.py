@@ -1,20 +1,32 @@
-"""Map safetensors tensor names to routed experts: (layer, expert, role).
+"""Map safetensors tensor names to routed experts: (layer, expert, parts).
 
-Two layouts are built in:
+Per-expert layouts (one tensor per role and expert):
 
 * ``"mixtral"``: ``model.layers.{L}.block_sparse_moe.experts.{E}.w1/w3/w2.weight``
   (w1 = gate, w3 = up, w2 = down);
 * ``"mlp_experts"``: ``model.layers.{L}.mlp.experts.{E}.gate_proj/up_proj/down_proj.weight``
   (Qwen2/Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5/5 and relatives).
 
-The leading ``model.`` is optional in both. Shared experts, routers, dense MLPs
-and everything else never match. ``layout="auto"`` picks the one built-in
+Stacked layouts (experts along the outer dimension of one tensor per role;
+expert ``e`` is the contiguous slice ``tensor[e]``):
+
+* ``"gpt_oss"``: ``mlp.experts.gate_up_proj`` (gate and up interleaved) and
+  ``down_proj``, with ``_bias``, float or MXFP4 (``_blocks`` + ``_scales``);
+* ``"llama4"``: ``feed_forward.experts.gate_up_proj`` (concatenated) and ``down_proj``;
+* ``"stacked"``: ``mlp.experts.gate_up_proj``/``down_proj`` as transformers
+  holds experts in memory (concatenated).
+
+The leading ``model.`` is optional. Shared experts, routers, dense MLPs and
+everything else never match. ``layout="auto"`` picks the one built-in
 layout that finds routed experts.
 
-A weight ``W`` may carry a block-scale tensor named ``W + scale_suffix``
-(DeepSeek-V3 FP8: ``...gate_proj.weight_scale_inv``, F32, one value per
-128x128 block); any other tensor named ``W_<something>`` is refused, because
-ignoring it would silently compute with unscaled weights.
+Formats (:data:`SCHEMES`): plain floats; DeepSeek-V3 FP8, a weight ``W``
+with block scales ``W_scale_inv`` (F32, one per 128x128 block); MXFP4;
+compressed-tensors pack-quantized int4 (``weight_packed``, ``weight_scale``,
+optional ``weight_zero_point``, ``weight_shape``). Any other tensor that
+accompanies an expert weight (``W_<something>``) is refused, because
+ignoring it would silently compute with the wrong weights. docs/formats.md
+has the table.
 """
 
 from __future__ import annotations

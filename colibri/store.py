@@ -78,9 +78,12 @@ def _check(rc: int, err: Any) -> None:
 class ExpertLease(LeaseBase):
     """One leased expert: ``gate``, ``up``, ``down`` are read-only numpy arrays
     over the cache slot, valid while the lease (or any array from it) lives;
-    ``gate_scale``, ``up_scale``, ``down_scale`` are the block scales of an
-    fp8 block-scaled checkpoint, else None. ``layer``, ``expert`` and ``key``
-    name the expert.
+    ``gate_scale``, ``up_scale``, ``down_scale`` are their scales (FP8
+    blocks, MXFP4, int4), else None. For a fused layout ``gate`` is the fused
+    gate_up and ``up`` is None. ``parts`` has every part by name (biases and
+    zero points too), ``tensors`` where each is in the files and how it is
+    stored; :func:`colibri.dequantize` turns any of them into float32 gate,
+    up and down. ``layer``, ``expert`` and ``key`` name the expert.
 
     Use it as a context manager; leaving the block releases it. ``release()``
     does the same explicitly; releasing twice is a :class:`LeaseError`.

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #define RUN_ALIGN 64u             /* buffered runs keep their file offset's alignment mod this */
+#define MERGE_GAP 4096u           /* ranges this close in a file are read as one run, gap included */
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
@@ -278,7 +279,9 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
             return coli_fail(err, err_len, COLI_ECONFIG,
                              "layer %d expert %d: tensors overlap in file %d at offset %llu",
                              src->layer, src->expert, r[i].file, (unsigned long long)r[i].offset);
-        bool extend = run >= 0 && r[i].file == plan->runs[run].file && r[i].offset == run_end;
+        /* A small gap (a quantised checkpoint's weight_shape between a
+         * weight and its scales) costs less read along than a second read. */
+        bool extend = run >= 0 && r[i].file == plan->runs[run].file && r[i].offset - run_end <= MERGE_GAP;
         if (!extend) {
             if (run >= 0) cursor = plan->runs[run].slot_offset + plan->runs[run].length;
             run++;

@@ -2,7 +2,7 @@
  * expert_reader.h (private): where an expert's bytes are and how to read them.
  *
  * At store creation every expert gets a read plan: its tensor ranges sorted
- * by file and offset, ranges that touch in the file merged into one read,
+ * by file and offset, ranges that touch in the file, or lie at most 4 KiB apart, merged into one read,
  * and each tensor's place in slot memory. A load then issues one pread per
  * merged run (one in total when gate, up and down are adjacent, as they are
  * in every checkpoint we have seen).

@@ -47,6 +47,10 @@ typedef struct {
     int expert;                 /* routed expert index within that layer */
 } ColiExpertKey;
 
+/* An expert's tensors. A fused gate_up (gpt-oss, Llama 4) is described by
+ * gate, with up zeroed (data NULL). Parts the view has no field for (biases,
+ * zero points) are in the same slot: the LRU store says where with
+ * coli_lru_expert_parts (lru_store.h). */
 typedef struct {
     ColiExpertKey key;
     ColiTensorView gate;

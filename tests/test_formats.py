@@ -397,10 +397,10 @@ def test_int4_moe_block_uses_the_dequantized_weights(int4: tuple[Path, Any, bool
 # ---------------------------------------------------------------- torch interop
 
 
-def test_torch_dequantize_matches_numpy(gpt_oss_mxfp4: Path) -> None:
+def _assert_torch_dequantize_matches(path: Path) -> None:
     from colibri.torch_interop import dequantize_torch
 
-    with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=2) as store:
+    with colibri.open_store(path, slots_per_layer=2) as store:
         with store.lease(1, 1) as ex:
             want = colibri.dequantize(ex)
             got = dequantize_torch(ex)
@@ -409,6 +409,15 @@ def test_torch_dequantize_matches_numpy(gpt_oss_mxfp4: Path) -> None:
     for name in want:
         assert got[name].dtype == torch.float32
         np.testing.assert_array_equal(got[name].numpy(), want[name])
+
+
+@pytest.mark.parametrize("fixture", ["gpt_oss", "gpt_oss_mxfp4", "llama4"])
+def test_torch_dequantize_matches_numpy(fixture: str, request: Any) -> None:
+    _assert_torch_dequantize_matches(request.getfixturevalue(fixture))
+
+
+def test_torch_dequantize_int4_matches_numpy(int4: tuple[Path, Any, bool]) -> None:
+    _assert_torch_dequantize_matches(int4[0])
 
 
 def test_torch_views_of_packed_parts(gpt_oss_mxfp4: Path) -> None:
@@ -542,3 +551,108 @@ def test_refused_c_formats(tmp_path: Path) -> None:
         err = ffi.new("char[]", 256)
         assert lib.coli_lru_store_create(cfg, out, err, 256) == lib.COLI_ECONFIG
         assert b"not supported" in ffi.string(err)
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def test_inspect_shows_format_and_fusion(gpt_oss_mxfp4: Path, llama4: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from colibri.__main__ import main
+
+    assert main(["inspect", str(gpt_oss_mxfp4), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    row = data["layers"][0]
+    assert (data["layout"], row["format"], row["group_size"], row["fused"], row["orientation"]) == (
+        "gpt_oss", "mxfp4", 32, "interleaved", "out_in")
+    assert row["parts"] == ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_bias", "down_bias"]
+    assert row["bytes_per_expert"] == scan_model(gpt_oss_mxfp4).expert_nbytes(0)
+    assert main(["inspect", str(llama4)]) == 0
+    text = capsys.readouterr().out
+    assert "plain" in text and "concatenated (in,out)" in text
+
+
+def test_ranges_a_few_bytes_apart_are_one_read(tmp_path: Path) -> None:
+    """A small tensor between an expert's parts (as weight_shape sits between
+    a packed weight and its scales) does not cost a second read."""
+    import errno
+
+    tensors = {}
+    for e in range(2):
+        for role in ("w1", "w2", "w3"):
+            shape = (16, 8) if role == "w2" else (8, 16)
+            tensors[f"model.layers.0.block_sparse_moe.experts.{e}.{role}.weight"] = np.full(shape, e, np.float32)
+        tensors[f"model.layers.0.block_sparse_moe.experts.{e}.w1x"] = np.zeros(2, np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ex = scan_model(tmp_path).expert(0, 0)
+    ranges = sorted((t.offset, t.end) for t in ex.tensors())
+    gaps = [b[0] - a[1] for a, b in zip(ranges, ranges[1:])]
+    assert max(gaps) > 0  # the parts do not touch
+    with colibri.open_store(tmp_path, slots_per_layer=2, prefetch_workers=0) as store:
+        store._inject_read_fault(2, errno.EIO)  # the second read from now fails
+        with store.lease(0, 0) as lease:  # one read
+            assert float(lease.gate[0, 0]) == 0.0
+        with pytest.raises(colibri.ExpertLoadError):
+            store.lease(0, 1)
+
+
+def test_mxfp4_extreme_scales_equal_transformers() -> None:
+    """Scale bytes 0 (2**-127, subnormal) and 255 (past float32) decode as
+    transformers' convert_moe_packed_tensors does."""
+    from colibri.dequant import mxfp4_to_float
+
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (2, 6, 3, 16), dtype=np.uint8)
+    for scales in (rng.integers(0, 256, (2, 6, 3), dtype=np.uint8),
+                   rng.integers(0, 255, (2, 6, 3), dtype=np.uint8)):
+        scales[0, 0, 0], scales[1, 5, 2] = 0, 254
+        ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                         dtype=torch.float32).transpose(1, 2).numpy()
+        np.testing.assert_array_equal(mxfp4_to_float(blocks, scales), ref)
+
+
+def test_parts_kept_past_the_lease_keep_it(gpt_oss_mxfp4: Path) -> None:
+    """A parts dict is a new dict of the lease's arrays: kept past the lease
+    it holds the slot (with a ResourceWarning) until it is deleted."""
+    with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=1) as store:
+        with pytest.warns(ResourceWarning):
+            with store.lease(0, 1) as ex:
+                kept = ex.parts
+        assert store.active_leases == 1
+        blocks = bytes(kept["gate_up"].tobytes())
+        with store.lease(0, 1) as again:  # the same slot, still holding expert 1
+            assert again.parts["gate_up"].tobytes() == blocks
+        del kept
+        assert store.active_leases == 0
+        with pytest.raises(colibri.LeaseError):
+            ex.parts
+
+
+def test_expert_parts_offsets(gpt_oss_mxfp4: Path) -> None:
+    """coli_lru_expert_parts: 6 + extra parts, UINT64_MAX for absent ones,
+    at most cap written, ENOTFOUND for an unknown key."""
+    from colibri._ffi import ffi, lib
+
+    absent = 2**64 - 1
+    with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=1) as store:
+        handle = store._handle
+        out = ffi.new("uint64_t[]", [7] * 10)
+        assert lib.coli_lru_expert_parts(handle, 0, 2, out, 10) == 8
+        offsets = list(out[0:8])
+        assert offsets[1] == offsets[4] == absent  # up and its scale: fused into gate
+        present = [o for o in offsets if o != absent]
+        assert len(set(present)) == 6 and out[8] == 7 and out[9] == 7
+        short = ffi.new("uint64_t[]", [7] * 3)
+        assert lib.coli_lru_expert_parts(handle, 0, 2, short, 2) == 8
+        assert list(short[0:2]) == offsets[:2] and short[2] == 7
+        assert lib.coli_lru_expert_parts(handle, 0, EXPERTS, out, 10) == lib.COLI_ENOTFOUND
+        assert lib.coli_lru_expert_parts(handle, 9, 0, out, 10) == lib.COLI_ENOTFOUND
+        # The slot's start plus each offset is where the lease's arrays are.
+        with store.lease(0, 2) as ex:
+            parts = ex.parts
+            start = parts["gate_up"].ctypes.data - offsets[0]
+            names = [n for n in ex.tensors.part_names()]
+            for name, offset in zip(names, offsets):
+                if name is not None:
+                    assert parts[name].ctypes.data == start + offset, name
+            del parts

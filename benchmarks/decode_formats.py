@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Decode the same MoE in bf16 and in 4-bit formats: bytes and time per token.
+
+The sibling of decode_sim.py for formats. One set of float expert weights
+is written three ways under /tmp:
+
+    bf16   mlp_experts layout, BF16 gate_proj/up_proj/down_proj.weight
+    int4   the same names as compressed-tensors pack-quantized
+           (weight_packed I32, BF16 weight_scale per group of --group, weight_shape)
+    mxfp4  gpt-oss layout: gate_up_proj_blocks/_scales interleaved, down_proj_blocks/_scales,
+           BF16 biases (zero)
+
+A token-by-token decode leases each layer's top-k experts (routing from a
+seeded Zipf trace, the same for every format), dequantizes them with
+colibri.dequantize and computes the SwiGLU expert in numpy. Cold: every
+configuration opens a fresh store with O_DIRECT reads (direct_io=True), so
+nothing is served from the page cache, and the cache (--slots per layer)
+is smaller than a layer's experts. With PILOT: the real colibri.Pilot
+prefetches the next layer's experts from a prediction that keeps each true
+expert with probability --p (routers are unit vectors, as in decode_sim).
+
+Reported per format and prefetch mode: MB read per token, I/O wait per
+token (time inside lease_many), compute per token (dequantize + matmuls),
+tokens/s, and the ratios to bf16 within the same round. Configurations run
+in --rounds rounds, shuffled per round; the median of the per-round values
+and ratios is printed. The goal checked: MB per token of a 4-bit format is
+within 1.1x of a quarter of bf16's plus the format's scales and biases.
+
+    python benchmarks/decode_formats.py            # about 3 min on 2 cores
+    python benchmarks/decode_formats.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # colibri from this checkout when not installed
+from _common import Goals, table, write_json  # noqa: E402
+
+import colibri  # noqa: E402
+from colibri.dequant import E2M1_VALUES  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+FORMATS = ("bf16", "int4", "mxfp4")
+_MIDPOINTS = (E2M1_VALUES[1:8] + E2M1_VALUES[0:7]) / 2
+
+
+# ------------------------------------------------------------- quantizers --
+
+def quantize_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric group int4, packed as compressed-tensors does: (packed I32, BF16 scales)."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)
+    scale = (np.abs(g).max(axis=2) / 7.0).astype(BF16)
+    s = np.maximum(scale.astype(np.float32), 1e-12)
+    q = np.clip(np.rint(g / s[:, :, None]), -8, 7).astype(np.int8).reshape(rows, cols)
+    u = (q + 8).astype(np.uint8)
+    packed = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
+    return packed.view("<i4").reshape(rows, cols // 8), scale
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 of (rows, cols): blocks (rows, cols/32, 16) uint8, e8m0 scales (rows, cols/32)."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // 32, 32)
+    top = np.maximum(np.abs(g).max(axis=2), 1e-30)
+    exp = np.ceil(np.log2(top / 6.0)).astype(np.int32)  # the block maximum fits e2m1's 6
+    scaled = g / np.ldexp(1.0, exp)[:, :, None]
+    # nearest e2m1 magnitude (0, .5, 1, 1.5, 2, 3, 4, 6) by the midpoints between them
+    codes = np.searchsorted(_MIDPOINTS, np.abs(scaled)).astype(np.uint8) | ((scaled < 0) << 3).astype(np.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, np.clip(exp + 127, 0, 254).astype(np.uint8)
+
+
+# ------------------------------------------------------------------ model --
+
+def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
+                 group: int, seed: int) -> dict[str, Path]:
+    rng = np.random.default_rng(seed)
+    out = {f: root / f for f in FORMATS}
+    for p in out.values():
+        p.mkdir(parents=True, exist_ok=True)
+    for layer in range(layers):
+        bf16: dict[str, np.ndarray] = {}
+        int4: dict[str, np.ndarray] = {}
+        gate_up_b, gate_up_s, down_b, down_s = [], [], [], []
+        for e in range(experts):
+            w = {r: (rng.standard_normal((hidden, inter) if r == "down" else (inter, hidden)) * 0.05)
+                 .astype(np.float32) for r in ("gate", "up", "down")}
+            for role, value in w.items():
+                base = f"model.layers.{layer}.mlp.experts.{e}.{role}_proj."
+                bf16[base + "weight"] = value.astype(BF16)
+                packed, scale = quantize_int4(value, group)
+                int4[base + "weight_packed"] = packed
+                int4[base + "weight_scale"] = scale
+                int4[base + "weight_shape"] = np.array(value.shape, np.int64)
+            fused = np.empty((2 * inter, hidden), np.float32)
+            fused[0::2], fused[1::2] = w["gate"], w["up"]
+            b, s = quantize_mxfp4(fused)
+            gate_up_b.append(b)
+            gate_up_s.append(s)
+            b, s = quantize_mxfp4(w["down"])
+            down_b.append(b)
+            down_s.append(s)
+        base = f"model.layers.{layer}.mlp.experts."
+        mx = {base + "gate_up_proj_blocks": np.stack(gate_up_b), base + "gate_up_proj_scales": np.stack(gate_up_s),
+              base + "gate_up_proj_bias": np.zeros((experts, 2 * inter), BF16),
+              base + "down_proj_blocks": np.stack(down_b), base + "down_proj_scales": np.stack(down_s),
+              base + "down_proj_bias": np.zeros((experts, hidden), BF16)}
+        name = f"model-{layer:05d}.safetensors"
+        save_file(bf16, str(out["bf16"] / name))
+        save_file(int4, str(out["int4"] / name))
+        save_file(mx, str(out["mxfp4"] / name))
+    return out
+
+
+def zipf_trace(tokens: int, layers: int, experts: int, top_k: int, skew: float,
+               seed: int) -> list[list[list[int]]]:
+    rng = np.random.default_rng(seed)
+    trace = []
+    popularity = [rng.permutation(experts) for _ in range(layers)]
+    weights = 1.0 / np.arange(1, experts + 1) ** skew
+    weights /= weights.sum()
+    for _ in range(tokens):
+        trace.append([sorted(int(popularity[l][i]) for i in rng.choice(experts, top_k, replace=False, p=weights))
+                      for l in range(layers)])
+    return trace
+
+
+# ------------------------------------------------------------------ decode --
+
+def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: float | None,
+           hidden: int, experts: int, seed: int) -> dict[str, float]:
+    layers = len(trace[0])
+    top_k = len(trace[0][0])
+    rng = random.Random(seed)
+    x = np.random.default_rng(seed).standard_normal((1, hidden)).astype(np.float32)
+    io_wait = compute = 0.0
+    with colibri.open_store(path, slots_per_layer=slots, prefetch_workers=2 if pilot_p else 0,
+                            direct_io=True, slot_wait_timeout=60.0) as store:
+        pilot = None
+        if pilot_p is not None:
+            routers = {l: np.eye(experts, hidden, dtype=np.float32) for l in store.layers}
+            pilot = colibri.Pilot(store, routers, top_k)
+        start = time.perf_counter()
+        for token in trace:
+            h = x
+            for layer, chosen in enumerate(token):
+                if pilot is not None:
+                    pilot.observe(layer, chosen)
+                t0 = time.perf_counter()
+                with store.lease_many(layer, chosen) as leases:
+                    t1 = time.perf_counter()
+                    io_wait += t1 - t0
+                    if pilot is not None and layer + 1 < layers:
+                        # A hidden state whose router logits rank the prediction first.
+                        truth = token[layer + 1]
+                        guess = [e if rng.random() < pilot_p else rng.choice(
+                            [o for o in range(experts) if o not in truth]) for e in truth]
+                        hint = np.zeros((1, hidden), np.float32)
+                        for rank, e in enumerate(guess):
+                            hint[0, e] = max(hint[0, e], 2.0 - 0.1 * rank)
+                        pilot.predict_next(layer, hint)
+                    y = np.zeros_like(h)
+                    for ex in leases:
+                        w = colibri.dequantize(ex)
+                        g, u = h @ w["gate"].T, h @ w["up"].T
+                        y += (g / (1 + np.exp(-g)) * u) @ w["down"].T
+                        del w
+                    compute += time.perf_counter() - t1
+                h = h + 0.01 * y
+        total = time.perf_counter() - start
+        stats = store.stats()
+    n = len(trace)
+    return {"ms_per_token": 1e3 * total / n, "io_ms_per_token": 1e3 * io_wait / n,
+            "compute_ms_per_token": 1e3 * compute / n, "tokens_per_s": n / total,
+            "mb_per_token": stats.bytes_read / 1e6 / n, "hit_rate": stats.hit_rate,
+            "prefetch_hit_rate": stats.prefetch_hit_rate}
+
+
+def payload_split(path: Path) -> tuple[float, float]:
+    """(bytes of weight values, bytes of scales and biases) of one expert."""
+    model = colibri.layouts.scan_model(path)
+    ex = model.expert(model.layers[0], 0)
+    values = sum(t.nbytes for t in (ex.gate, ex.up, ex.down) if t is not None)
+    return float(values), float(ex.nbytes - values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--group", type=int, default=128, help="int4 group size")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--p", type=float, default=0.72, help="PILOT's one-layer-ahead accuracy")
+    ap.add_argument("--skew", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where to write the models (default: a temp dir in /tmp)")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.experts, args.hidden, args.intermediate = 3, 8, 256, 128
+        args.tokens, args.rounds = 6, 1
+    root = Path(args.dir or tempfile.mkdtemp(prefix="colibri_formats_", dir="/tmp"))
+    try:
+        paths = write_models(root, args.layers, args.experts, args.hidden, args.intermediate,
+                             args.group, args.seed)
+        trace = zipf_trace(args.tokens, args.layers, args.experts, args.top_k, args.skew, args.seed)
+        modes = {"no prefetch": None, f"PILOT p={args.p}": args.p}
+        configs = [(f, m) for f in FORMATS for m in modes]
+        results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
+        ratios: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
+        for r in range(args.rounds):
+            order = configs[:]
+            random.Random(1000 + r).shuffle(order)
+            round_results = {}
+            for fmt, mode in order:
+                round_results[(fmt, mode)] = decode(paths[fmt], trace, slots=args.slots,
+                                                    pilot_p=modes[mode], hidden=args.hidden,
+                                                    experts=args.experts, seed=args.seed + r)
+            for (fmt, mode), res in round_results.items():
+                base = round_results[("bf16", mode)]
+                results[(fmt, mode)].append(res)
+                ratios[(fmt, mode)].append({k: res[k] / base[k] for k in ("mb_per_token", "io_ms_per_token",
+                                                                           "ms_per_token")})
+
+        def med(values: list[dict[str, float]], key: str) -> float:
+            return statistics.median(v[key] for v in values)
+
+        rows = []
+        for fmt, mode in configs:
+            res, rat = results[(fmt, mode)], ratios[(fmt, mode)]
+            rows.append((f"{fmt:<6} {mode}", f"{med(res, 'mb_per_token'):.2f}", f"{med(rat, 'mb_per_token'):.3f}",
+                         f"{med(res, 'io_ms_per_token'):.1f}", f"{med(rat, 'io_ms_per_token'):.2f}",
+                         f"{med(res, 'compute_ms_per_token'):.1f}", f"{med(res, 'tokens_per_s'):.2f}",
+                         f"{med(rat, 'ms_per_token'):.2f}", f"{med(res, 'hit_rate'):.2f}"))
+        print(table(f"decode, cold (O_DIRECT), {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
+                    f"{args.slots} slots/layer, H={args.hidden} I={args.intermediate}, "
+                    f"median of {args.rounds} rounds",
+                    ("format / prefetch", "MB/token", "x bf16", "I/O ms/token", "x bf16", "compute ms",
+                     "tokens/s", "time x bf16", "hit rate"), rows))
+        goals = Goals()
+        bf16_values, _ = payload_split(paths["bf16"])
+        for fmt in ("int4", "mxfp4"):
+            values, extra = payload_split(paths[fmt])
+            # a quarter of bf16's bytes plus this format's scales and biases, per expert
+            bound = bf16_values / 4 + extra
+            for mode in modes:
+                measured = statistics.median(
+                    res["mb_per_token"] / base["mb_per_token"] * bf16_values / bound
+                    for res, base in zip(results[(fmt, mode)], results[("bf16", mode)]))
+                goals.check(f"{fmt} MB/token vs bf16/4 + scales ({mode})", measured, "<= 1.1",
+                            measured <= 1.1, f"{measured:.3f}x (scales+biases {extra / bound:.1%})")
+        print()
+        print(goals.render())
+        write_json("decode_formats", {"args": vars(args), "rows": [list(r) for r in rows],
+                                      "goals": goals.items})
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
