@@ -15,7 +15,7 @@ total) it replays:
 - ``lru``: uniform per-layer LRU (the baseline), and every other policy
   this build has, uniform;
 - ``pin¼+<policy>``: a quarter of each layer's slots pinned to the learn
-  part's hottest experts;
+  part's hottest experts (hot in every prompt: ``colibri.plan.hot_order``);
 - ``planned``: per-layer slots planned on the learn part (LRU curves);
 - ``plan``: what ``colibri.plan`` chooses on the learn part alone (kind and
   policy by its own held-out check inside the learn part): the
@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from colibri.plan import _fit, available_policies, plan  # noqa: E402
+from colibri.plan import _fit, available_policies, hot_order, plan  # noqa: E402
 from colibri.replay import _replay_python, _pins_by_layer, belady, replay, resolve_slots  # noqa: E402
 from colibri.trace import Trace  # noqa: E402
 
@@ -111,8 +111,8 @@ def configurations(learn: Trace, slots: int, policies: tuple[str, ...]) -> dict[
     n_pin = slots // 4
     widest = max(1, learn.top_k)
     if n_pin and slots - n_pin >= widest:
-        pins = [(l, int(e)) for l in layers for e in np.argsort(-counts[l], kind="stable")[:n_pin]
-                if counts[l][e] > 0]
+        hot = hot_order(learn)
+        pins = [(l, e) for l in layers for e in hot[l][:n_pin]]
         for pol in policies:
             out[f"pin¼+{pol}"] = lambda t, pol=pol: replay(t, slots_per_layer=slots, policy=pol,
                                                            pinned=pins).hit_rate

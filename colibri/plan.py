@@ -28,7 +28,8 @@ How:
    simpler one, uniform LRU first); the winner is then fitted again on the
    whole history. A candidate that only fits its own past loses to one that
    carries over. Pins are chosen the same way inside a fit: the hottest of
-   one half, kept where they win on the other.
+   one half, kept where they win on the other; and "hottest" means hot in
+   every prompt of the history (:func:`hot_order`), not on average.
 """
 
 from __future__ import annotations
@@ -208,6 +209,23 @@ def _pin_grid(slots_max: int, k: int) -> list[int]:
     return out
 
 
+def hot_order(trace: Trace) -> dict[int, list[int]]:
+    """Per layer, the pin candidates of the history, hottest first. With
+    several sequences (prompts), only experts every one of them used, ranked
+    by their fewest uses in any sequence, then by total uses: an expert only
+    some prompts love is a poor pin for the next prompt; one every prompt
+    uses is a good one. With one sequence, every expert used, by uses."""
+    total = trace.counts()
+    seqs = trace.sequences
+    per = [trace.select_sequences([s]).counts() for s in seqs] if len(seqs) >= 2 else []
+    out: dict[int, list[int]] = {}
+    for layer, c in total.items():
+        least = np.min([p[layer] for p in per], axis=0) if per else np.zeros_like(c)
+        order = np.lexsort((-c, -least))
+        out[layer] = [int(e) for e in order if (least[e] > 0 if per else c[e] > 0)]
+    return out
+
+
 @dataclass
 class _Fitted:
     slots: dict[int, int]
@@ -235,11 +253,12 @@ def _fit(kind: str, trace: Trace, counts: Mapping[int, np.ndarray], expert_nbyte
         # (per layer and slot count) is kept.
         halves = _split(trace)
         source, scored = halves if halves is not None else (trace, trace)
-        src_counts = source.counts()
+        src_hot = hot_order(source)
+        all_hot = hot_order(trace)
         curves = lru_curves(scored)
         best_curve: dict[int, np.ndarray] = {}
         for col, layer in enumerate(layers):
-            hot = [int(e) for e in np.argsort(-src_counts[layer], kind="stable") if src_counts[layer][e] > 0]
+            hot = src_hot[layer]
             rows = _distinct_rows(scored, col)
             options: list[tuple[int, np.ndarray]] = [(0, curves[layer])]
             for p in _pin_grid(n, widest[layer])[1:]:
@@ -247,13 +266,14 @@ def _fit(kind: str, trace: Trace, counts: Mapping[int, np.ndarray], expert_nbyte
                     break
                 c = _layer_curve(rows, frozenset(hot[:p]), n)
                 shifted = np.full_like(c, -1)
-                shifted[p:] = c[: len(c) - p]
+                # Charged one load per pin: a pin must earn its slot by the
+                # hits it keeps, not by a free start (short halves overrate that).
+                shifted[p:] = c[: len(c) - p] - p
                 shifted[: p + widest[layer]] = -1  # the LRU part must hold a token's experts
                 options.append((p, shifted))
             stack = np.stack([c for _, c in options])
             best_curve[layer] = stack.max(axis=0)
-            final_hot = [int(e) for e in np.argsort(-counts[layer], kind="stable") if counts[layer][e] > 0]
-            pin_lists[layer] = [final_hot[: options[i][0]] for i in stack.argmax(axis=0)]
+            pin_lists[layer] = [all_hot[layer][: options[i][0]] for i in stack.argmax(axis=0)]
         curves = best_curve
     slots = _allocate(curves, {l: widest[l] for l in layers}, cost, units)
     if slots is None:
@@ -372,7 +392,8 @@ def plan(
             for kind, pol in order:
                 if kind in fitted and kind in whole:
                     r = run(score_on, fitted[kind], pol)
-                    gains.setdefault((kind, pol), []).append((r.hits - base_hits) / max(r.requests, 1))
+                    charged = r.hits - len(fitted[kind].pins)  # pins' loads count as misses here
+                    gains.setdefault((kind, pol), []).append((charged - base_hits) / max(r.requests, 1))
                     rates.setdefault((kind, pol), []).append(r.hit_rate)
         for rank, (kind, pol) in enumerate(order):
             g = gains.get((kind, pol))
