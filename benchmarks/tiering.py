@@ -167,7 +167,8 @@ def speed(trace: Trace, rounds: int) -> None:
                 _replay_python(trace, s, pins)
                 py_rates.append(lookups / (time.perf_counter() - t0))
     c, py = float(np.median(c_rates)), float(np.median(py_rates))
-    print(f"\nreplay speed on {len(trace)} tokens x {len(trace.layers)} layers ({lookups:,} lookups), "
+    print(f"\nreplay speed (opening the store included) on {len(trace)} tokens x {len(trace.layers)} layers "
+          f"({lookups:,} lookups, 25% budget), "
           f"median of {rounds} rounds: colibri.replay {c / 1e6:.2f} M lookups/s, Python LRU "
           f"{py / 1e6:.2f} M lookups/s, ratio {c / py:.1f}x "
           f"({'meets' if c >= 1e6 else 'MISSES'} the 1 M lookups/s goal)")
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['warm']:>7.4f} {share:>7.1%}  {r['plan_kind']}")
     worst = min(r["plan"] - r["lru"] for r in rows)
     print(f"worst plan - LRU: {100 * worst:+.2f} points")
-    speed(Trace.load(TRACES / "qwen3.6-35b-a3b-fever.npz"), 3 if args.quick else 5)
+    qwen = Trace.load(TRACES / "qwen3.6-35b-a3b-fever.npz")
+    speed(Trace.concat([qwen] * 10), 3 if args.quick else 5)  # a long trace: opening the store is amortised
     return 0
 
 

@@ -375,8 +375,8 @@ def load_for_store(path: PathLike, num_experts: Mapping[int, int], fingerprint: 
 
 class UsageTracker:
     """Feeds a store's per-expert request counters into its Usage and saves
-    it: :meth:`save` adds what was served since the last save; :meth:`close`
-    also ends the turn. ``store`` needs ``layers`` and
+    it: :meth:`save` adds what was served since the last save; at close the
+    store calls :meth:`collect` before it closes and :meth:`finish` after. ``store`` needs ``layers`` and
     ``expert_requests(layer)`` (requests per expert since open)."""
 
     def __init__(self, store: Any, usage: Usage, path: PathLike) -> None:
@@ -397,7 +397,32 @@ class UsageTracker:
         self.collect()
         self.usage.save(self.path)
 
-    def close(self) -> None:
-        self.collect()
+    def finish(self) -> None:
+        """The store closed (after a last :meth:`collect`): end the turn, save."""
         self.usage.end_turn()
         self.usage.save(self.path)
+
+
+def pins_for_store(history: Usage, model: Any, pinned_bytes: int, slots_per_layer: int | Mapping[int, int] | None,
+                   capacity_bytes: int | None, pin: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``pin`` plus the history's hottest experts up to ``pinned_bytes``
+    (:meth:`Usage.hottest_by_bytes`), at most half of each layer's slots
+    pinned in all, so every layer keeps room to load what a token asks."""
+    explicit = list(pin)
+    layers = list(model.layers)
+    nbytes = {l: int(model.expert_nbytes(l)) for l in layers}
+    if isinstance(slots_per_layer, Mapping):
+        slots = {l: min(int(slots_per_layer[l]), model.num_experts(l)) for l in layers}
+    elif slots_per_layer is not None:
+        slots = {l: min(int(slots_per_layer), model.num_experts(l)) for l in layers}
+    else:
+        per_layer = int(capacity_bytes or 0) // max(len(layers), 1)
+        slots = {l: min(per_layer // nbytes[l], model.num_experts(l)) for l in layers}
+    taken: dict[int, int] = {}
+    for layer, _ in explicit:
+        taken[layer] = taken.get(layer, 0) + 1
+    room = {l: max(0, slots[l] // 2 - taken.get(l, 0)) for l in layers}
+    seen = set(explicit)
+    budget = pinned_bytes - sum(nbytes.get(l, 0) for l, _ in explicit)
+    chosen = [k for k in history.hottest_by_bytes(max(budget, 0), nbytes, room) if k not in seen]
+    return tuple(explicit + chosen)
