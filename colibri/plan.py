@@ -21,11 +21,15 @@ How:
    concave. Uniform per-layer slots are one of its choices, so on the
    history it is never worse than uniform LRU.
 3. **Choice by held-out replay.** Candidates (uniform, planned slots, planned
-   slots with pins; under each policy) are fitted on the earlier part of the
-   history and replayed on the later part, cold, as a new session would see
-   it; the best there wins (ties go to the simpler one: uniform LRU first),
-   and is then fitted again on the whole history. A candidate that only fits
-   its own past loses to one that carries over.
+   slots with pins; under each policy) are fitted on one half of the history
+   and replayed on the other, cold, as a new session would see it, both ways
+   round. A candidate's score is the worse of its two gains over uniform
+   LRU, so it is chosen only if it wins in both directions (ties go to the
+   simpler one, uniform LRU first); the winner is then fitted again on the
+   whole history. A candidate that only fits its own past loses to one that
+   carries over. Pins are chosen the same way inside a fit: the hottest of
+   one half, kept where they win on the other; and "hottest" means hot in
+   every prompt of the history (:func:`hot_order`), not on average.
 """
 
 from __future__ import annotations
@@ -205,6 +209,23 @@ def _pin_grid(slots_max: int, k: int) -> list[int]:
     return out
 
 
+def hot_order(trace: Trace) -> dict[int, list[int]]:
+    """Per layer, the pin candidates of the history, hottest first. With
+    several sequences (prompts), only experts every one of them used, ranked
+    by their fewest uses in any sequence, then by total uses: an expert only
+    some prompts love is a poor pin for the next prompt; one every prompt
+    uses is a good one. With one sequence, every expert used, by uses."""
+    total = trace.counts()
+    seqs = trace.sequences
+    per = [trace.select_sequences([s]).counts() for s in seqs] if len(seqs) >= 2 else []
+    out: dict[int, list[int]] = {}
+    for layer, c in total.items():
+        least = np.min([p[layer] for p in per], axis=0) if per else np.zeros_like(c)
+        order = np.lexsort((-c, -least))
+        out[layer] = [int(e) for e in order if (least[e] > 0 if per else c[e] > 0)]
+    return out
+
+
 @dataclass
 class _Fitted:
     slots: dict[int, int]
@@ -226,22 +247,33 @@ def _fit(kind: str, trace: Trace, counts: Mapping[int, np.ndarray], expert_nbyte
     curves = lru_curves(trace)
     pin_lists: dict[int, list[list[int]]] = {}  # per layer, per slot count: the experts to pin
     if kind == "planned+pins":
+        # Pinning the hottest of the very requests it is scored on always
+        # looks good; so pins come from the earlier part of the history and
+        # are scored on the later part, and the pin count that wins there
+        # (per layer and slot count) is kept.
+        halves = _split(trace)
+        source, scored = halves if halves is not None else (trace, trace)
+        src_hot = hot_order(source)
+        all_hot = hot_order(trace)
+        curves = lru_curves(scored)
         best_curve: dict[int, np.ndarray] = {}
         for col, layer in enumerate(layers):
-            hot = [int(e) for e in np.argsort(-counts[layer], kind="stable") if counts[layer][e] > 0]
-            rows = _distinct_rows(trace, col)
-            options: list[tuple[list[int], np.ndarray]] = [([], curves[layer])]
+            hot = src_hot[layer]
+            rows = _distinct_rows(scored, col)
+            options: list[tuple[int, np.ndarray]] = [(0, curves[layer])]
             for p in _pin_grid(n, widest[layer])[1:]:
                 if p > len(hot):
                     break
                 c = _layer_curve(rows, frozenset(hot[:p]), n)
                 shifted = np.full_like(c, -1)
-                shifted[p:] = c[: len(c) - p]
+                # Charged one load per pin: a pin must earn its slot by the
+                # hits it keeps, not by a free start (short halves overrate that).
+                shifted[p:] = c[: len(c) - p] - p
                 shifted[: p + widest[layer]] = -1  # the LRU part must hold a token's experts
-                options.append((hot[:p], shifted))
+                options.append((p, shifted))
             stack = np.stack([c for _, c in options])
             best_curve[layer] = stack.max(axis=0)
-            pin_lists[layer] = [options[i][0] for i in stack.argmax(axis=0)]
+            pin_lists[layer] = [all_hot[layer][: options[i][0]] for i in stack.argmax(axis=0)]
         curves = best_curve
     slots = _allocate(curves, {l: widest[l] for l in layers}, cost, units)
     if slots is None:
@@ -346,13 +378,29 @@ def plan(
     ranked: list[tuple[float, int, str, str]] = []
     order = [(kind, pol) for pol in pols for kind in kinds]  # simpler first: ties keep it
     if split is not None:
-        fitted = fit_all(split[0])
+        # Both ways round: fitted on one half, replayed on the other. A
+        # candidate's score is its worse gain over uniform LRU of the two,
+        # so it must win in both directions to be chosen over uniform LRU.
+        folds = [(split[0], split[1]), (split[1], split[0])]
+        gains: dict[tuple[str, str], list[float]] = {}
+        rates: dict[tuple[str, str], list[float]] = {}
+        for fit_on, score_on in folds:
+            fitted = fit_all(fit_on)
+            if "uniform" not in fitted:
+                continue
+            base_hits = run(score_on, fitted["uniform"], "lru").hits
+            for kind, pol in order:
+                if kind in fitted and kind in whole:
+                    r = run(score_on, fitted[kind], pol)
+                    charged = r.hits - len(fitted[kind].pins)  # pins' loads count as misses here
+                    gains.setdefault((kind, pol), []).append((charged - base_hits) / max(r.requests, 1))
+                    rates.setdefault((kind, pol), []).append(r.hit_rate)
         for rank, (kind, pol) in enumerate(order):
-            if kind in fitted and kind in whole:
-                r = run(split[1], fitted[kind], pol)
-                validation[f"{kind}/{pol}"] = r.hit_rate
-                ranked.append((-r.hits, rank, kind, pol))
-    else:
+            g = gains.get((kind, pol))
+            if g and len(g) == len(gains.get(("uniform", "lru"), g)):
+                validation[f"{kind}/{pol}"] = float(np.mean(rates[(kind, pol)]))
+                ranked.append((-min(g), rank, kind, pol))
+    if not ranked:
         for rank, (kind, pol) in enumerate(order):
             if kind in whole:
                 ranked.append((-run(history, whole[kind], pol).hits, rank, kind, pol))

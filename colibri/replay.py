@@ -187,6 +187,10 @@ def _replay_c(
     if pin_list:
         kwargs["pin"] = pin_list
     if usage is not None:
+        import inspect
+
+        if "usage" not in inspect.signature(opener).parameters:
+            raise FormatError(f"usage: no policy of this build ({policy!r} included) uses a usage history")
         kwargs["usage"] = usage
     store = opener({layer: trace.num_experts for layer in layers}, **kwargs)
     try:

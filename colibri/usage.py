@@ -342,3 +342,87 @@ def _positive_or_none(value: float | None, name: str) -> float | None:
     if not v > 0 or v == float("inf"):
         raise FormatError(f"{name} must be > 0 (or None for no decay), got {value!r}")
     return v
+
+
+def fingerprint_of_model(model: Any) -> str:
+    """The fingerprint of a scanned checkpoint (colibri.layouts.ModelExperts):
+    its MoE layers, experts per layer, and per layer each expert tensor's
+    role, dtype and shape (and its scale's), i.e. the expert byte layout."""
+    layout = []
+    for layer in model.layers:
+        ex = model.expert(layer, next(iter(model.experts[layer])))
+        parts: list[Any] = [layer, model.expert_nbytes(layer)]
+        for role in ("gate", "up", "down"):
+            w = ex.weight(role)
+            s = ex.scale(role)
+            parts.append((role, w.dtype, tuple(w.shape), None if s is None else (s.dtype, tuple(s.shape))))
+        layout.append(tuple(parts))
+    return model_fingerprint({l: model.num_experts(l) for l in model.layers}, layout)
+
+
+def load_for_store(path: PathLike, num_experts: Mapping[int, int], fingerprint: str, *,
+                   half_life: float | None, half_life_turns: float | None, any_model: bool) -> Usage:
+    """The history a store opens with: the file's if it exists (checked
+    against the model's fingerprint), else an empty one. The half-lives
+    given win over the file's."""
+    if not os.path.exists(os.fspath(path)):
+        return Usage(num_experts, half_life=half_life, half_life_turns=half_life_turns, fingerprint=fingerprint)
+    u = Usage.load(path, fingerprint=fingerprint, any_model=any_model).conform(num_experts)
+    u.half_life = _positive_or_none(half_life, "usage_half_life")
+    u.half_life_turns = _positive_or_none(half_life_turns, "usage_half_life_turns")
+    return u
+
+
+class UsageTracker:
+    """Feeds a store's per-expert request counters into its Usage and saves
+    it: :meth:`save` adds what was served since the last save; at close the
+    store calls :meth:`collect` before it closes and :meth:`finish` after. ``store`` needs ``layers`` and
+    ``expert_requests(layer)`` (requests per expert since open)."""
+
+    def __init__(self, store: Any, usage: Usage, path: PathLike) -> None:
+        self.usage = usage
+        self.path = os.fspath(path)
+        self._store = store
+        self._seen = {l: np.asarray(store.expert_requests(l), dtype=np.float64) for l in usage.layers}
+
+    def collect(self) -> None:
+        for layer in self.usage.layers:
+            now = np.asarray(self._store.expert_requests(layer), dtype=np.float64)
+            delta = now - self._seen[layer]
+            if delta.any():
+                self.usage.add(layer, delta)
+            self._seen[layer] = now
+
+    def save(self) -> None:
+        self.collect()
+        self.usage.save(self.path)
+
+    def finish(self) -> None:
+        """The store closed (after a last :meth:`collect`): end the turn, save."""
+        self.usage.end_turn()
+        self.usage.save(self.path)
+
+
+def pins_for_store(history: Usage, model: Any, pinned_bytes: int, slots_per_layer: int | Mapping[int, int] | None,
+                   capacity_bytes: int | None, pin: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``pin`` plus the history's hottest experts up to ``pinned_bytes``
+    (:meth:`Usage.hottest_by_bytes`), at most half of each layer's slots
+    pinned in all, so every layer keeps room to load what a token asks."""
+    explicit = list(pin)
+    layers = list(model.layers)
+    nbytes = {l: int(model.expert_nbytes(l)) for l in layers}
+    if isinstance(slots_per_layer, Mapping):
+        slots = {l: min(int(slots_per_layer[l]), model.num_experts(l)) for l in layers}
+    elif slots_per_layer is not None:
+        slots = {l: min(int(slots_per_layer), model.num_experts(l)) for l in layers}
+    else:
+        per_layer = int(capacity_bytes or 0) // max(len(layers), 1)
+        slots = {l: min(per_layer // nbytes[l], model.num_experts(l)) for l in layers}
+    taken: dict[int, int] = {}
+    for layer, _ in explicit:
+        taken[layer] = taken.get(layer, 0) + 1
+    room = {l: max(0, slots[l] // 2 - taken.get(l, 0)) for l in layers}
+    seen = set(explicit)
+    budget = pinned_bytes - sum(nbytes.get(l, 0) for l, _ in explicit)
+    chosen = [k for k in history.hottest_by_bytes(max(budget, 0), nbytes, room) if k not in seen]
+    return tuple(explicit + chosen)

@@ -108,3 +108,12 @@ def test_budget_too_small_is_a_format_error():
     t = random_trace(np.random.default_rng(0), 10, [0, 1], 8, 2)
     with pytest.raises(FormatError, match="cannot hold"):
         plan(t, 3)
+
+
+def test_hot_order_keeps_experts_every_prompt_used():
+    from colibri.plan import hot_order
+
+    e = np.array([[[0, 1]], [[0, 2]], [[0, 1]], [[1, 3]]], dtype=np.int32)  # 2 prompts of 2 tokens
+    t = Trace.from_arrays([4], e, None, [0, 0, 1, 1], 5)
+    assert hot_order(t) == {4: [0, 1]}        # 2 and 3 only one prompt used; 0 and 1 tie on fewest uses
+    assert hot_order(t.select_sequences([0])) == {4: [0, 1, 2]}   # one prompt: by uses

@@ -152,18 +152,22 @@ def replay_model(tmp_path_factory):
 
 @settings(max_examples=25)
 @given(seed=st.integers(0, 2**32 - 1), tokens=st.integers(0, 40), k=st.integers(1, 3),
-       extra=st.integers(0, 4), mapped=st.booleans())
-def test_replay_counters_equal_a_live_store(replay_model, seed, tokens, k, extra, mapped):
+       extra=st.integers(0, 4), mapped=st.booleans(), n_pins=st.integers(0, 2))
+def test_replay_counters_equal_a_live_store(replay_model, seed, tokens, k, extra, mapped, n_pins):
     rng = np.random.default_rng(seed)
     t = random_trace(rng, tokens, [1, 2, 3], 7, k)
     slots = {l: min(7, k + int(rng.integers(0, extra + 1))) for l in (1, 2, 3)} if mapped else k + extra
     if mapped and not HAVE_C_REPLAY:
         slots = k + extra  # per-layer mappings arrive with the store's replay mode
+    least = min(slots.values()) if isinstance(slots, dict) else slots
+    pins = None
+    if HAVE_C_REPLAY and 0 < n_pins and least - n_pins >= k:
+        pins = [(l, int(e)) for l in (1, 2, 3) for e in rng.choice(7, size=n_pins, replace=False)]
     for policy in policies_here():
-        got = replay(t, slots_per_layer=slots, policy=policy)
-        assert_same_counters(got, live_replay(replay_model.path, t, slots, policy))
+        got = replay(t, slots_per_layer=slots, policy=policy, pinned=pins)
+        assert_same_counters(got, live_replay(replay_model.path, t, slots, policy, pins))
         assert got.hits + got.misses == got.requests
-        assert got.misses >= belady(t, slots).misses
+        assert got.misses >= belady(t, slots, warm=pins is not None).misses
 
 
 @pytest.fixture(scope="module")
