@@ -118,7 +118,7 @@ typedef struct {
     void (*fini)(LsLayer *L);                       /* frees what init allocated */
 } LsPolicy;
 
-extern const LsPolicy ls_policy_lru, ls_policy_lfu;
+extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu;
 
 /* A binary min-heap of slots for policies that order by a key: each slot's
  * pol_index is its place. less orders two slots. O(log n) per change. */
