@@ -69,9 +69,11 @@ int coli_files_open(ColiFileSet *files, const char *const *paths, int n,
 /* How buffered reads go (O_DIRECT reads always take one pread per run):
  * in preads of read_chunk bytes (0: one per run), and, when advise is set,
  * with the files' readahead off (POSIX_FADV_RANDOM: a miss reads its own
- * bytes, not the neighbours') and POSIX_FADV_WILLNEED over each run before
- * its first pread, so the disk fetches the rest of the run while the first
- * chunks are copied. Advice the file system refuses is ignored. */
+ * bytes, not the neighbours'). Each run's first chunk is then taken from the
+ * page cache only (preadv2 RWF_NOWAIT): if it was all there the run goes on
+ * without advice, else POSIX_FADV_WILLNEED over the rest of the run starts
+ * its reads at once, so the disk fetches the next chunks while the first
+ * ones are copied. Advice the file system refuses is ignored. */
 void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise);
 /* Closes and frees; safe on a zeroed or half-opened set. */
 void coli_files_close(ColiFileSet *files);
