@@ -242,6 +242,13 @@ def spread(values: list[float], fmt: Callable[[float], str]) -> str:
     return fmt(lo) if len(values) == 1 else f"{fmt(lo)} - {fmt(hi)}"
 
 
+def ratios(values: list[float], bases: list[float]) -> str:
+    """Median of per-round ratios, and their range."""
+    r = [a / b for a, b in zip(values, bases)]
+    med = C.fmt_ratio(statistics.median(r))
+    return med if len(r) == 1 else f"{med} ({C.fmt_ratio(min(r))}-{C.fmt_ratio(max(r))})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds (CI)")
@@ -329,11 +336,11 @@ def main(argv=None) -> int:
         rows = []
         for name in ["best plain buffered"] + names:
             rows.append((name, mode_of(name), spread(runs[name], C.fmt_bw),
-                         *(spread([a / b for a, b in zip(runs[name], runs[base])], C.fmt_ratio)
-                           for base in bases)))
+                         *(ratios(runs[name], runs[base]) for base in bases)))
         print()
         print(C.table(f"cold misses: {layers * per_layer} x {model.expert_nbytes / 2**20:.0f} MiB per pass, "
-                      f"{rounds} rounds (range over rounds; ratios within a round)",
+                      f"{rounds} rounds (MB/s: range over rounds; x: median of the ratios within "
+                      f"each round, and their range)",
                       ("reader", "reads with", "MB/s", "x plain 1 call", "x best buffered",
                        "x O_DIRECT t1", "x O_DIRECT t2"), rows))
         print()
@@ -356,8 +363,7 @@ def main(argv=None) -> int:
         warm["best plain buffered"] = best_warm
         print(C.table(f"warm misses (files in the page cache), {rounds} rounds",
                       ("reader", "MB/s", "x best plain buffered"),
-                      [(n, spread(v, C.fmt_bw), spread([a / b for a, b in zip(v, best_warm)], C.fmt_ratio))
-                       for n, v in warm.items()]))
+                      [(n, spread(v, C.fmt_bw), ratios(v, best_warm)) for n, v in warm.items()]))
         print()
 
         def ratio(name: str, base: str) -> float:

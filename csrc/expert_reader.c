@@ -348,11 +348,12 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
         const ColiReadRun *rr = &plan->runs[i];
         int fd = files->fds[rr->file];
         uint64_t done = 0, pause_at = 0;
-        /* With advice, the first chunk is read from the page cache only
-         * (no wait). All of it there: the file is warm, and the rest goes
-         * without advice (WILLNEED over cached pages only costs time).
-         * Else WILLNEED the rest of the run, or of the pacer chunk, first. */
-        bool advise = files->willneed, probe = files->willneed;
+        /* With advice, chunks are read from the page cache only (no wait)
+         * while they are all there: a warm file costs no advice (WILLNEED
+         * over cached pages only costs time). At the first chunk that is
+         * not, WILLNEED the rest of the run (or of the pacer chunk) and go
+         * on with plain preads, advising each later pacer chunk. */
+        bool probe = files->willneed;
         while (done < rr->length) {
             ssize_t got;
             uint64_t want = rr->length - done;
@@ -362,7 +363,7 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                     pause_at = done + pacer->chunk;
                     /* Ask for this pacer chunk only: a paced read keeps at
                      * most one chunk ahead of a demand read on the disk. */
-                    if (advise && !probe) advise_willneed(fd, rr, done, pacer->chunk);
+                    if (files->willneed && !probe) advise_willneed(fd, rr, done, pacer->chunk);
                 }
                 if (want > pause_at - done) want = pause_at - done;
             }
@@ -373,11 +374,9 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                 errno = atomic_load(&fault->errno_value);
                 got = -1;
             } else if (probe) {
-                probe = false;
                 got = read_cached(fd, dst, want, at);
-                if ((uint64_t)got == want) {
-                    advise = false;
-                } else {
+                if ((uint64_t)got < want) {
+                    probe = false;
                     uint64_t from = done + (uint64_t)got;
                     advise_willneed(fd, rr, from, pacer ? pause_at - from : rr->length - from);
                     if (got == 0) got = pread(fd, dst, want, at);
