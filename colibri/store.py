@@ -782,9 +782,11 @@ def open_store(
     through the page cache without an error. ``store.direct_io`` tells which mode is in use.
     Reads through the page cache go in preads of ``read_chunk_bytes``
     (0: 256 KiB, rounded up to 4 KiB), with the kernel's readahead off for
-    the store's files and ``POSIX_FADV_WILLNEED`` over each expert before
-    its first chunk, so the copy of one chunk overlaps the disk's read of
-    the next; ``read_advice=False`` leaves out the advice (for comparisons).
+    the store's files; a miss whose first chunk is not in the page cache
+    asks for the rest of the expert at once (``POSIX_FADV_WILLNEED``), so
+    the copy of one chunk overlaps the disk's read of the next.
+    ``read_advice=False`` leaves the readahead on and gives no advice (for
+    comparisons).
     O_DIRECT reads take one call per expert.
     """
     if slots_per_layer is not None and capacity_bytes is not None:

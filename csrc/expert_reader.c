@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define RUN_ALIGN 64u             /* buffered runs keep their file offset's alignment mod this */
@@ -319,8 +320,22 @@ static bool fault_fires(ColiFaultHook *fault) {
 /* Tells the kernel that bytes [from, from + len) of run rr (clipped to the
  * run) are wanted now: it starts their reads without waiting for them. */
 static void advise_willneed(int fd, const ColiReadRun *rr, uint64_t from, uint64_t len) {
+    if (from >= rr->length) return;
     if (len > rr->length - from) len = rr->length - from;
     (void)posix_fadvise(fd, (off_t)(rr->file_offset + from), (off_t)len, POSIX_FADV_WILLNEED);
+}
+
+/* Copies what the page cache holds of [off, off + len) without waiting for
+ * the disk: the bytes copied, 0 when none are cached or it cannot tell. */
+static ssize_t read_cached(int fd, unsigned char *dst, size_t len, off_t off) {
+#ifdef RWF_NOWAIT
+    struct iovec iov = {dst, len};
+    ssize_t got = preadv2(fd, &iov, 1, off, RWF_NOWAIT);
+    if (got > 0) return got;
+#else
+    (void)fd; (void)dst; (void)len; (void)off;
+#endif
+    return 0;
 }
 
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
@@ -336,7 +351,12 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
         const ColiReadRun *rr = &plan->runs[i];
         int fd = files->fds[rr->file];
         uint64_t done = 0, pause_at = 0;
-        if (files->willneed && !pacer) advise_willneed(fd, rr, 0, rr->length);
+        /* With advice, chunks are read from the page cache only (no wait)
+         * while they are all there: a warm file costs no advice (WILLNEED
+         * over cached pages only costs time). At the first chunk that is
+         * not, WILLNEED the rest of the run (or of the pacer chunk) and go
+         * on with plain preads, advising each later pacer chunk. */
+        bool probe = files->willneed;
         while (done < rr->length) {
             ssize_t got;
             uint64_t want = rr->length - done;
@@ -346,16 +366,26 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
                     pause_at = done + pacer->chunk;
                     /* Ask for this pacer chunk only: a paced read keeps at
                      * most one chunk ahead of a demand read on the disk. */
-                    if (files->willneed) advise_willneed(fd, rr, done, pacer->chunk);
+                    if (files->willneed && !probe) advise_willneed(fd, rr, done, pacer->chunk);
                 }
                 if (want > pause_at - done) want = pause_at - done;
             }
             if (chunk && want > chunk) want = chunk;
+            unsigned char *dst = slot + rr->slot_offset + done;
+            off_t at = (off_t)(rr->file_offset + done);
             if (fault_fires(fault)) {
                 errno = atomic_load(&fault->errno_value);
                 got = -1;
+            } else if (probe) {
+                got = read_cached(fd, dst, want, at);
+                if ((uint64_t)got < want) {
+                    probe = false;
+                    uint64_t from = done + (uint64_t)got;
+                    advise_willneed(fd, rr, from, pacer ? pause_at - from : rr->length - from);
+                    if (got == 0) got = pread(fd, dst, want, at);
+                }
             } else {
-                got = pread(fd, slot + rr->slot_offset + done, want, (off_t)(rr->file_offset + done));
+                got = pread(fd, dst, want, at);
             }
             if (got < 0) {
                 int e = errno;

@@ -2,10 +2,11 @@
  * expert_reader.h (private): where an expert's bytes are and how to read them.
  *
  * At store creation every expert gets a read plan: its tensor ranges sorted
- * by file and offset, ranges that touch in the file, or lie at most 4 KiB apart, merged into one read,
- * and each tensor's place in slot memory. A load then issues one pread per
- * merged run (one in total when gate, up and down are adjacent, as they are
- * in every checkpoint we have seen).
+ * by file and offset, ranges that touch in the file, or lie at most 4 KiB
+ * apart, merged into one read, and each tensor's place in slot memory. A load
+ * then reads each merged run (one in total when gate, up and down are
+ * adjacent, as they are in every checkpoint we have seen): with O_DIRECT in
+ * one pread, through the page cache in chunks (coli_files_tune).
  *
  * Nothing here locks: a plan is immutable after creation and a load writes
  * only into the slot memory its caller owns.
@@ -69,9 +70,12 @@ int coli_files_open(ColiFileSet *files, const char *const *paths, int n,
 /* How buffered reads go (O_DIRECT reads always take one pread per run):
  * in preads of read_chunk bytes (0: one per run), and, when advise is set,
  * with the files' readahead off (POSIX_FADV_RANDOM: a miss reads its own
- * bytes, not the neighbours') and POSIX_FADV_WILLNEED over each run before
- * its first pread, so the disk fetches the rest of the run while the first
- * chunks are copied. Advice the file system refuses is ignored. */
+ * bytes, not the neighbours'). Chunks are then taken from the page cache
+ * only (preadv2 RWF_NOWAIT) while they are all there; at the first one that
+ * is not, POSIX_FADV_WILLNEED over the rest of the run starts its reads at
+ * once, so the disk fetches the next chunks while the first ones are
+ * copied, and plain preads follow. Advice the file system refuses is
+ * ignored. */
 void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise);
 /* Closes and frees; safe on a zeroed or half-opened set. */
 void coli_files_close(ColiFileSet *files);

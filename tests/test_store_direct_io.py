@@ -45,6 +45,16 @@ def o_direct_works(directory: Path) -> bool:
     return True
 
 
+def drop_from_page_cache(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def routed_bytes(model) -> int:
     return sum(model.expert_nbytes * model.n_experts for _ in model.layers)
 
@@ -91,7 +101,8 @@ def lease_everything(store, model, workers: int) -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize(
     "mode",
-    ["direct", "buffered", "auto-small-ram", "auto-large-ram", "one-call", "4k-chunks", "no-advice"],
+    ["direct", "buffered", "buffered-cold", "auto-small-ram", "auto-large-ram", "one-call",
+     "4k-chunks", "no-advice"],
 )
 def test_every_mode_reads_the_files_bytes(odd_model, monkeypatch, mode, workers):
     options: dict = {}
@@ -99,6 +110,9 @@ def test_every_mode_reads_the_files_bytes(odd_model, monkeypatch, mode, workers)
         options["direct_io"] = True
     elif mode == "buffered":
         options["direct_io"] = False
+    elif mode == "buffered-cold":   # misses that find nothing in the page cache
+        options.update(direct_io=False, read_chunk_bytes=4096)
+        drop_from_page_cache(odd_model.files)
     elif mode.startswith("auto"):
         monkeypatch.setenv(AVAILABLE_MEMORY_ENV, "0" if mode == "auto-small-ram" else str(1 << 50))
     elif mode == "one-call":
