@@ -503,7 +503,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
 
 def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
     """Slot offsets of every part of an expert (coli_lru_expert_parts)."""
-    size = 6 + int(lib.COLI_MAX_PARTS)
+    size = 2 * len(ROLES) + int(lib.COLI_MAX_PARTS)  # each role's data and scales, then the extras
 
     def locate(layer: int, expert: int) -> tuple[int, ...]:
         out = ffi.new("uint64_t[]", size)
