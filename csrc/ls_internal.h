@@ -98,8 +98,10 @@ typedef struct {
  * mutex, and asks it for a victim. A policy keeps its state in the slots'
  * pol_* fields, in the layer's pol (its init allocates it) and may read
  * the layer's clock (one tick per lookup or lookup_many of the layer) and
- * requests_of. Only insert, remove and victim are required; the LRU hit
- * path costs one test of a NULL hit. */
+ * requests_of. Only insert, remove and victim are required. The state
+ * machine calls LRU's list operations directly (ls_lru_insert/remove,
+ * inlined) instead of through the table, so its hit path has no indirect
+ * call. */
 typedef struct {
     const char *name;
     /* v joins the set: at the hot end (just released or loaded) or, with
@@ -119,6 +121,10 @@ typedef struct {
 } LsPolicy;
 
 extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu;
+
+/* The LRU list (ls_policy.c describes it), inline for the hit path. */
+static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold);
+static inline void ls_lru_remove(LsSlot *s);
 
 /* A binary min-heap of slots for policies that order by a key: each slot's
  * pol_index is its place. less orders two slots. O(log n) per change. */
@@ -205,6 +211,25 @@ typedef struct {
 } LsStore;
 
 /* ---- small helpers (every file) ------------------------------------- */
+
+static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold) {
+    if (cold) {               /* at the LRU end */
+        s->prev = L->list.prev;
+        s->next = &L->list;
+        L->list.prev->next = s;
+        L->list.prev = s;
+    } else {                  /* at the MRU end */
+        s->next = L->list.next;
+        s->prev = &L->list;
+        L->list.next->prev = s;
+        L->list.next = s;
+    }
+}
+
+static inline void ls_lru_remove(LsSlot *s) {
+    s->prev->next = s->next;
+    s->next->prev = s->prev;
+}
 
 extern const ColiExpertStoreOps ls_ops;
 

@@ -44,24 +44,13 @@
 
 #include <stdlib.h>
 
-static void lru_insert(LsLayer *L, LsSlot *s, bool cold) {
-    if (cold) {               /* at the LRU end */
-        s->prev = L->list.prev;
-        s->next = &L->list;
-        L->list.prev->next = s;
-        L->list.prev = s;
-    } else {                  /* at the MRU end */
-        s->next = L->list.next;
-        s->prev = &L->list;
-        L->list.next->prev = s;
-        L->list.next = s;
-    }
-}
+/* The list operations are ls_lru_insert and ls_lru_remove (ls_internal.h),
+ * which the state machine inlines for LRU; the table has them too. */
+static void lru_insert(LsLayer *L, LsSlot *s, bool cold) { ls_lru_insert(L, s, cold); }
 
 static void lru_remove(LsLayer *L, LsSlot *s) {
     (void)L;
-    s->prev->next = s->next;
-    s->next->prev = s->prev;
+    ls_lru_remove(s);
 }
 
 static LsSlot *lru_victim(LsLayer *L) {

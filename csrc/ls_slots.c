@@ -155,15 +155,3 @@ void ls_slot_demote(LsLayer *L, LsSlot *v) {
     ls_set_insert(L, v, true);
     v->prefetched = false;
 }
-
-bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) {
-    LsSlot *v = view->lease;
-    uintptr_t p = (uintptr_t)v, lo = (uintptr_t)L->slots;
-    if (p < lo || p >= lo + sizeof(LsSlot) * (size_t)L->n_slots || (p - lo) % sizeof(LsSlot) != 0)
-        return false;             /* not one of this layer's slots */
-    if (v->generation != view->lease_generation || v->state != LS_RESIDENT ||
-        v->leases == 0 || v->expert != view->key.expert)
-        return false;             /* stale: the slot was repurposed since */
-    ls_slot_unlease(L, v);
-    return true;
-}

@@ -59,23 +59,29 @@
 
 /* Included at the end of ls_internal.h, which defines the types. */
 
-/* v joins the evictable set (hot end, or cold: evicted first). */
+/* v joins the evictable set (hot end, or cold: evicted first). LRU, the
+ * default, is called directly (inlined) rather than through the table. */
 static inline void ls_set_insert(LsLayer *L, LsSlot *v, bool cold) {
     assert(!v->evictable);
-    L->policy->insert(L, v, cold);
+    if (L->policy == &ls_policy_lru) ls_lru_insert(L, v, cold);
+    else L->policy->insert(L, v, cold);
     v->evictable = true;
     L->evictable++;
 }
 
 static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
     assert(v->evictable);
-    L->policy->remove(L, v);
+    if (L->policy == &ls_policy_lru) ls_lru_remove(v);
+    else L->policy->remove(L, v);
     v->evictable = false;
     L->evictable--;
 }
 
 /* The slot an eviction would take now, or NULL. */
-static inline LsSlot *ls_victim(LsLayer *L) { return L->policy->victim(L); }
+static inline LsSlot *ls_victim(LsLayer *L) {
+    if (L->policy == &ls_policy_lru) return L->list.prev == &L->list ? NULL : L->list.prev;
+    return L->policy->victim(L);
+}
 
 /* Copies slot v's view and its lease into view. */
 static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
@@ -87,7 +93,7 @@ static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
 /* lease: a hit. Takes a lease on resident slot v and counts it; rank is
  * the expert's place in the request (for the policy). */
 static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view, int rank) {
-    if (L->policy->hit) L->policy->hit(L, v, rank);
+    if (L->policy != &ls_policy_lru && L->policy->hit) L->policy->hit(L, v, rank);
     if (v->evictable) ls_set_remove(L, v);
     v->leases++;
     L->leases++;
@@ -114,7 +120,17 @@ static inline void ls_slot_unlease(LsLayer *L, LsSlot *v) {
 
 /* Drops the lease of view if it is current: false when view holds no live
  * lease of layer L (stale generation, or not one of L's slots). */
-bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view);
+static inline bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) {
+    LsSlot *v = view->lease;
+    uintptr_t p = (uintptr_t)v, lo = (uintptr_t)L->slots;
+    if (p < lo || p >= lo + sizeof(LsSlot) * (size_t)L->n_slots || (p - lo) % sizeof(LsSlot) != 0)
+        return false;             /* not one of this layer's slots */
+    if (v->generation != view->lease_generation || v->state != LS_RESIDENT ||
+        v->leases == 0 || v->expert != view->key.expert)
+        return false;             /* stale: the slot was repurposed since */
+    ls_slot_unlease(L, v);
+    return true;
+}
 
 /* repurpose: gives evictable slot v to entry e's expert in state st
  * (QUEUED or READING) with the given generation (from
