@@ -31,8 +31,8 @@ load times; the I/O wait share, time spent waiting for expert weights over
 the decode time: for (c) and (d) the time inside the store's ``lease_many`` /
 ``lease`` (where a miss waits for its read; hits cost microseconds), timed by
 wrapping those two methods of the model's store, for (b) the time inside
-accelerate's ``AlignDevicesHook.pre_forward`` (where offloaded weights are
-paged in from disk); hit rate and store MB read per token for (c) and (d);
+accelerate's ``AlignDevicesHook.pre_forward`` (a lower bound: accelerate maps
+the offloaded tensors, and most reads happen as page faults in the forward); hit rate and store MB read per token for (c) and (d);
 for every configuration the MB its process read from disk per token
 (``read_bytes`` of ``/proc/self/io``, page faults on mmap included) and the
 cgroup's peak memory. Ratios are taken within a round, medians over rounds
@@ -52,8 +52,8 @@ measured compute ratio.
 Needs root (cgroups, drop_caches) and a mounted cgroup-v1 memory controller;
 ``--no-limit`` runs without them (then the figures are not cold).
 
-    python benchmarks/generate.py              # ~4.8 GB model, 3 rounds: ~20 min
-    python benchmarks/generate.py --quick      # a 30 MB model, 1 round: ~2 min
+    python benchmarks/generate.py              # a 5 GB model, 3 rounds: ~30 min on a loaded 2-core VM
+    python benchmarks/generate.py --quick      # a 40 MB model, 1 round: ~3 min
     python benchmarks/generate.py --model DIR  # an existing checkpoint
 """
 
