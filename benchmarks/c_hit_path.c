@@ -197,7 +197,7 @@ static double scatter(ColiExpertStore *store, long *fails) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s DIR [layers experts iters reps rows cols]\n", argv[0]);
+        fprintf(stderr, "usage: %s DIR [layers experts iters reps rows cols policy]\n", argv[0]);
         return 2;
     }
     if (argc > 2) LAYERS = atoi(argv[2]);
@@ -206,6 +206,7 @@ int main(int argc, char **argv) {
     if (argc > 5) REPS = atoi(argv[5]);
     if (argc > 6) ROWS = atoi(argv[6]);
     if (argc > 7) COLS = atoi(argv[7]);
+    int policy = argc > 8 ? atoi(argv[8]) : COLI_POLICY_LRU;
     if (LAYERS < 1 || EXPERTS < 1 || ITERS < 1 || REPS < 1 || REPS > 64) return 2;
 
     char path[4096];
@@ -234,6 +235,7 @@ int main(int argc, char **argv) {
     cfg.slots_per_layer = (uint32_t)EXPERTS;
     cfg.prefetch_workers = 0;
     cfg.slot_wait_timeout_ns = -1;
+    cfg.policy = policy;
     ColiExpertStore *store = NULL;
     char err[512];
     if (coli_lru_store_create(&cfg, &store, err, sizeof err) != 0) {

@@ -48,22 +48,25 @@ def build(outdir: Path) -> Path:
 
 
 def run(exe: Path, workdir: Path, layers: int = 2, experts: int = 8, iters: int = 2_000_000,
-        reps: int = 5, rows: int = 16, cols: int = 24) -> dict:
+        reps: int = 5, rows: int = 16, cols: int = 24, policy: int = 0) -> dict:
+    """policy: the COLI_POLICY_* value (its index in colibri.POLICIES)."""
     out = subprocess.run([str(exe), str(workdir), str(layers), str(experts), str(iters), str(reps),
-                          str(rows), str(cols)], check=True, capture_output=True, text=True)
+                          str(rows), str(cols), str(policy)], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter run (CI)")
+    ap.add_argument("--policy", default="lru", help="eviction policy (one of colibri.POLICIES)")
     args = ap.parse_args(argv)
     iters = 500_000 if args.quick else 2_000_000
     reps = 3 if args.quick else 7
     tmp = Path(tempfile.mkdtemp(prefix="colibri-chit-", dir="/tmp"))
     try:
         exe = build(tmp)
-        r = run(exe, tmp, 2, 8, iters, reps)
+        from colibri.store import POLICIES
+        r = run(exe, tmp, 2, 8, iters, reps, policy=POLICIES.index(args.policy))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
         ("machine ceiling: 2T / 1T of a loop sharing nothing", "", "", f"{r['machine_2t_ratio']:.2f}x"),
     ]
     print(C.table(f"C hit path: lookup+release of a resident expert ({r['iters']:,} pairs x {r['reps']} reps, "
-                  f"gcc -O2)", ("case", "ns per pair", "vs mutex pair", "throughput"), rows,
+                  f"gcc -O2, policy {args.policy})", ("case", "ns per pair", "vs mutex pair", "throughput"), rows,
                   note=f"(load average at end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
                        f"failures {r['failures']})"))
     print()

@@ -134,7 +134,10 @@ typedef struct {
 /* Eviction policies (coli_lru_policy_name gives each one's name). */
 enum {
     COLI_POLICY_LRU = 0,            /* least recently used */
-    COLI_POLICY_LFU = 1             /* least frequently used since loaded, then least recently */
+    COLI_POLICY_LFU = 1,            /* least frequently used since loaded, then least recently */
+    COLI_POLICY_LRFU = 2            /* least decayed use count, uses weighted by rank in lookup_many;
+                                     * policy_param: half-life in multiples of the layer's slots
+                                     * (default 2) */
 };
 
 /* PINNED EXPERTS. Each pinned expert takes one slot out of its layer's

@@ -120,7 +120,7 @@ typedef struct {
     void (*fini)(LsLayer *L);                       /* frees what init allocated */
 } LsPolicy;
 
-extern const LsPolicy ls_policy_lru, ls_policy_lfu;
+extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu;
 
 /* The LRU list (ls_policy.c describes it), inline for the hit path. */
 static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold);

@@ -16,6 +16,29 @@
  * a hit changes the key of a slot that is leaving the heap anyway, so the
  * hit path does no heap work. It is the seam's example of a policy with
  * per-slot state; it forgets an expert's count when it is evicted.
+ *
+ * LRFU (least recently/frequently used, after Lee et al.). Each expert of
+ * the layer has a decayed use count: a use adds 1 / (1 + rank), rank being
+ * the expert's place in its lookup_many (engines pass top-k best first, and
+ * on real routing the best-ranked experts come back far more often), and
+ * the count halves every `half` requests of the layer, linearly in between.
+ * The count outlives an eviction, so an expert that comes back is known.
+ * The victim is the evictable slot whose expert has the smallest count.
+ *
+ * Counts are kept scaled to a common time, S = count * g(now), with g
+ * doubling every `half` requests: a use at time t adds w * g(t), and nothing
+ * changes while an expert is not used, so the order of two slots changes
+ * only when one of them is used, and the heap serves it: insert and remove
+ * O(log n), victim O(1). g is 2^q * (1 + r / half) for now - base =
+ * q * half + r; when q reaches 512 every count is multiplied by 2^-512
+ * (exact, order kept) and base moves on. `half` is the policy parameter
+ * (default 2) times the layer's slots: the counts forget over about two
+ * turnovers of the cache (docs/policies.md has the study behind both
+ * choices). A slot's pol_value is its key while it is in the set and the
+ * weight of its uses since it joined last while it is out; pol_stamp is
+ * its join sequence. A prefetched slot joins as if used now, its count
+ * unchanged; empty and demoted slots join with negative keys, evicted
+ * first, the last one first, as LRU's cold end.
  */
 #include "ls_internal.h"
 
@@ -153,8 +176,132 @@ const LsPolicy ls_policy_lfu = {
     .fini = lfu_fini,
 };
 
+/* ---- LRFU ----------------------------------------------------------- */
+
+#define LRFU_RESCALE 512          /* q at which the counts are scaled by 2^-512 */
+
+typedef struct {
+    LsHeap heap;                  /* the evictable set, on (pol_value, pol_stamp) */
+    double *count;                /* indexed by expert: decayed use count times g(base..) */
+    uint64_t half;                /* half-life, in requests of the layer */
+    uint64_t base;                /* requests of the layer at the last rescale */
+    uint64_t q;                   /* whole half-lives from base, as of the last join */
+    double pow;                   /* 2^q */
+    uint64_t seq;                 /* joins of the set so far */
+} LsLrfu;
+
+static int lrfu_init(LsLayer *L, char *err, size_t n) {
+    double mult = L->pol_param > 0 ? L->pol_param : 2.0;
+    if (!(mult <= 1e6))
+        return coli_fail(err, n, COLI_ECONFIG, "lrfu: half-life multiple %g is out of range", mult);
+    LsLrfu *p = calloc(1, sizeof(LsLrfu));
+    if (p) {
+        p->heap.at = calloc((size_t)L->n_slots, sizeof(LsSlot *));
+        p->count = calloc((size_t)L->n_entries, sizeof(double));
+    }
+    if (!p || !p->heap.at || !p->count) {
+        if (p) {
+            free(p->heap.at);
+            free(p->count);
+        }
+        free(p);
+        return coli_fail(err, n, COLI_ENOMEM, "out of memory for the policy of layer %d", L->id);
+    }
+    uint64_t half = (uint64_t)(mult * (double)L->n_slots + 0.5);   /* rounded: both are positive */
+    p->half = half < 1 ? 1 : half;
+    p->pow = 1.0;
+    L->pol = p;
+    return COLI_OK;
+}
+
+static void lrfu_fini(LsLayer *L) {
+    LsLrfu *p = L->pol;
+    if (p) {
+        free(p->heap.at);
+        free(p->count);
+    }
+    free(p);
+    L->pol = NULL;
+}
+
+/* g(now): brings q and pow up to now, scaling every count and key down by
+ * 2^-512 each time q reaches LRFU_RESCALE. */
+static double lrfu_scale_now(LsLayer *L, LsLrfu *p) {
+    uint64_t d = L->c.requests - p->base;
+    while (d >= p->half * (p->q + 1)) {
+        p->q++;
+        p->pow *= 2.0;
+        if (p->q == LRFU_RESCALE) {
+            for (int x = 0; x < L->n_entries; x++) p->count[x] *= 0x1p-512;
+            for (uint32_t i = 0; i < p->heap.n; i++)
+                if (p->heap.at[i]->pol_value > 0) p->heap.at[i]->pol_value *= 0x1p-512;
+            p->base += LRFU_RESCALE * p->half;
+            p->q = 0;
+            p->pow = 1.0;
+            d = L->c.requests - p->base;
+        }
+    }
+    return p->pow * (1.0 + (double)(d - p->q * p->half) / (double)p->half);
+}
+
+static bool lrfu_less(const LsSlot *a, const LsSlot *b) {
+    return a->pol_value < b->pol_value || (a->pol_value == b->pol_value && a->pol_stamp < b->pol_stamp);
+}
+
+static void lrfu_insert(LsLayer *L, LsSlot *v, bool cold) {
+    LsLrfu *p = L->pol;
+    v->pol_stamp = ++p->seq;
+    if (cold) {
+        v->pol_value = -(double)v->pol_stamp;   /* the latest cold slot first */
+    } else {
+        double g = lrfu_scale_now(L, p);
+        double *c = &p->count[v->expert];
+        if (v->pol_value > 0) {               /* the weight of its uses since it left */
+            *c += v->pol_value * g;
+            v->pol_value = *c;
+        } else {
+            v->pol_value = *c + g;            /* loaded unasked: as if used now, uncounted */
+        }
+    }
+    ls_heap_push(&p->heap, v, lrfu_less);
+}
+
+static void lrfu_remove(LsLayer *L, LsSlot *v) {
+    LsLrfu *p = L->pol;
+    ls_heap_remove(&p->heap, v, lrfu_less);
+}
+
+static LsSlot *lrfu_victim(LsLayer *L) {
+    const LsLrfu *p = L->pol;
+    return p->heap.n ? p->heap.at[0] : NULL;
+}
+
+static void lrfu_hit(LsLayer *L, LsSlot *v, int rank) {
+    (void)L;
+    double w = 1.0 / (double)(1 + rank);
+    /* in the set, pol_value is its key: v is leaving (no sift), its uses start over */
+    v->pol_value = v->evictable ? w : v->pol_value + w;
+}
+
+static void lrfu_assign(LsLayer *L, LsSlot *v, int rank) {
+    (void)L;
+    v->pol_value = rank >= 0 ? 1.0 / (double)(1 + rank) : 0.0;   /* a prefetch or a pin: no use */
+}
+
+const LsPolicy ls_policy_lrfu = {
+    .name = "lrfu",
+    .insert = lrfu_insert,
+    .remove = lrfu_remove,
+    .victim = lrfu_victim,
+    .hit = lrfu_hit,
+    .assign = lrfu_assign,
+    .init = lrfu_init,
+    .fini = lrfu_fini,
+};
+
 const LsPolicy *const ls_policies[] = {
     [COLI_POLICY_LRU] = &ls_policy_lru,
     [COLI_POLICY_LFU] = &ls_policy_lfu,
+    [COLI_POLICY_LRFU] = &ls_policy_lrfu,
     NULL,
 };

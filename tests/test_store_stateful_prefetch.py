@@ -45,13 +45,13 @@ def make_machine(models):
             self.failed_requests = 0   # lookups refused as cache full: requests, not hits or misses
 
         @initialize(m=st.integers(0, len(models) - 1), slots=st.integers(1, 4), workers=st.integers(0, 3),
-                    demand_first=st.booleans())
-        def open(self, m: int, slots: int, workers: int, demand_first: bool) -> None:
+                    demand_first=st.booleans(), policy=st.sampled_from(colibri.POLICIES))
+        def open(self, m: int, slots: int, workers: int, demand_first: bool, policy: str) -> None:
             model = models[m]
             self.want = wants[m]
             self.layers, self.n_experts = model.layers, model.n_experts
             self.store = colibri.open_store(model.path, slots_per_layer=slots, prefetch_workers=workers,
-                                            slot_wait_timeout=0.0, demand_first=demand_first)
+                                            slot_wait_timeout=0.0, demand_first=demand_first, policy=policy)
             self.demand_first = demand_first
             assert self.store.layers == self.layers
             self.slots = min(slots, self.n_experts)

@@ -116,7 +116,7 @@ static ColiTensorSource tensor(int l, int e, int r) {
 static const ColiExpertKey PINS[2] = {{0, 5}, {2, 8}};
 
 static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint32_t workers, int direct,
-                                   int never_pause, int pins, int replay) {
+                                   int never_pause, int pins, int replay, int policy) {
     const char *files[1] = {path};
     ColiLruConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -134,7 +134,7 @@ static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint
     cfg.pinned = pins ? PINS : NULL;
     cfg.n_pinned = pins ? 2 : 0;
     cfg.replay = replay;
-    cfg.policy = pins && !replay ? COLI_POLICY_LFU : COLI_POLICY_LRU;
+    cfg.policy = policy;
     ColiExpertStore *store = NULL;
     char err[COLI_ERR_LEN];
     int rc = coli_lru_store_create(&cfg, &store, err, sizeof err);
@@ -194,7 +194,7 @@ int main(int argc, char **argv) {
         for (int e = 0; e < EXPERTS; e++)
             src[l * EXPERTS + e] = (ColiExpertSource){l, e, tensor(l, e, 0), tensor(l, e, 1), tensor(l, e, 2), 0, 0, NULL};
     if (destroy_leased) {          /* rule 5: must abort in a build with assertions */
-        ColiExpertStore *store = open_store(path, src, 1, 0, 0, 0, 0);
+        ColiExpertStore *store = open_store(path, src, 1, 0, 0, 0, 0, COLI_POLICY_LRU);
         ColiExpertView v;
         memset(&v, 0, sizeof v);
         if (!store || coli_expert_lookup(store, (ColiExpertKey){0, 0}, &v) != 0) return 2;
@@ -202,14 +202,17 @@ int main(int argc, char **argv) {
         puts("destroy with a lease held returned");
         return 0;
     }
-    for (int mode = 0; mode < 6; mode++) {
-        uint32_t workers = (mode & 1) || mode == 4 ? 2 : 0;
+    for (int mode = 0; mode < 7; mode++) {
+        uint32_t workers = (mode & 1) || mode == 4 || mode == 6 ? 2 : 0;
         /* mode 3 also lets prefetch reads share the disk instead of pausing;
          * mode 4 pins two experts (their loads race the threads below) and
          * evicts by LFU (a heap policy under threads),
-         * mode 5 is a replay store with the same pins */
+         * mode 5 is a replay store with the same pins,
+         * mode 6 is mode 4 evicting by LRFU (the other heap policy) */
         int pins = mode >= 4, replay = mode == 5;
-        ColiExpertStore *store = open_store(path, src, workers, mode == 2 || mode == 3, mode == 3, pins, replay);
+        int policy = mode == 4 ? COLI_POLICY_LFU : mode == 6 ? COLI_POLICY_LRFU : COLI_POLICY_LRU;
+        ColiExpertStore *store = open_store(path, src, workers, mode == 2 || mode == 3, mode == 3, pins, replay,
+                                            policy);
         if (!store) return 1;
         if (!replay) contract_edges(store);
         pthread_t t[16];
