@@ -34,9 +34,12 @@
  * (exact, order kept) and base moves on. `half` is the policy parameter
  * (default 2) times the layer's slots: the counts forget over about two
  * turnovers of the cache (docs/policies.md has the study behind both
- * choices). A slot's pol_value is its key while it is in the set and the
- * weight of its uses since it joined last while it is out; pol_stamp is
- * its join sequence. A prefetched slot joins as if used now, its count
+ * choices). A slot's pol_value is its key, pol_stamp its join sequence.
+ * The heap is lazy: a leased slot stays in it, keyed as when it joined,
+ * until it reaches the top (the victim search pops it) or joins again
+ * (re-keyed in place: keys of a used expert only grow, so it sinks), so a
+ * lease does no heap work and a release one sift. The victim is still the
+ * least evictable slot. A prefetched slot joins as if used now, its count
  * unchanged; empty and demoted slots join with negative keys, evicted
  * first, the last one first, as LRU's cold end.
  */
@@ -179,10 +182,12 @@ const LsPolicy ls_policy_lfu = {
 /* ---- LRFU ----------------------------------------------------------- */
 
 #define LRFU_RESCALE 512          /* q at which the counts are scaled by 2^-512 */
+#define LRFU_OUT UINT32_MAX       /* pol_index of a slot not in the heap */
 
 typedef struct {
-    LsHeap heap;                  /* the evictable set, on (pol_value, pol_stamp) */
-    double *count;                /* indexed by expert: decayed use count times g(base..) */
+    LsHeap heap;                  /* every evictable slot, and leased ones not popped yet */
+    double *count;                /* indexed by expert: decayed use count, scaled */
+    double *use;                  /* indexed by expert: weight of its uses since its slot last joined */
     uint64_t half;                /* half-life, in requests of the layer */
     uint64_t base;                /* requests of the layer at the last rescale */
     uint64_t q;                   /* whole half-lives from base, as of the last join */
@@ -198,11 +203,13 @@ static int lrfu_init(LsLayer *L, char *err, size_t n) {
     if (p) {
         p->heap.at = calloc((size_t)L->n_slots, sizeof(LsSlot *));
         p->count = calloc((size_t)L->n_entries, sizeof(double));
+        p->use = calloc((size_t)L->n_entries, sizeof(double));
     }
-    if (!p || !p->heap.at || !p->count) {
+    if (!p || !p->heap.at || !p->count || !p->use) {
         if (p) {
             free(p->heap.at);
             free(p->count);
+            free(p->use);
         }
         free(p);
         return coli_fail(err, n, COLI_ENOMEM, "out of memory for the policy of layer %d", L->id);
@@ -210,6 +217,7 @@ static int lrfu_init(LsLayer *L, char *err, size_t n) {
     uint64_t half = (uint64_t)(mult * (double)L->n_slots + 0.5);   /* rounded: both are positive */
     p->half = half < 1 ? 1 : half;
     p->pow = 1.0;
+    for (int j = 0; j < L->n_slots; j++) L->slots[j].pol_index = LRFU_OUT;
     L->pol = p;
     return COLI_OK;
 }
@@ -219,6 +227,7 @@ static void lrfu_fini(LsLayer *L) {
     if (p) {
         free(p->heap.at);
         free(p->count);
+        free(p->use);
     }
     free(p);
     L->pol = NULL;
@@ -256,36 +265,45 @@ static void lrfu_insert(LsLayer *L, LsSlot *v, bool cold) {
     } else {
         double g = lrfu_scale_now(L, p);
         double *c = &p->count[v->expert];
-        if (v->pol_value > 0) {               /* the weight of its uses since it left */
-            *c += v->pol_value * g;
+        double w = p->use[v->expert];
+        p->use[v->expert] = 0;
+        if (w > 0) {
+            *c += w * g;
             v->pol_value = *c;
         } else {
             v->pol_value = *c + g;            /* loaded unasked: as if used now, uncounted */
         }
     }
-    ls_heap_push(&p->heap, v, lrfu_less);
+    if (v->pol_index == LRFU_OUT) ls_heap_push(&p->heap, v, lrfu_less);
+    else ls_heap_update(&p->heap, v, lrfu_less);   /* still there from before its lease */
 }
 
+/* Lazy: a slot leaving the set stays in the heap with its key until it
+ * reaches the top (victim pops it) or joins again (insert re-keys it), so
+ * a lease does no heap work. */
 static void lrfu_remove(LsLayer *L, LsSlot *v) {
-    LsLrfu *p = L->pol;
-    ls_heap_remove(&p->heap, v, lrfu_less);
+    (void)L;
+    (void)v;
 }
 
 static LsSlot *lrfu_victim(LsLayer *L) {
-    const LsLrfu *p = L->pol;
+    LsLrfu *p = L->pol;
+    while (p->heap.n > 0 && !p->heap.at[0]->evictable) {
+        LsSlot *top = p->heap.at[0];
+        ls_heap_remove(&p->heap, top, lrfu_less);
+        top->pol_index = LRFU_OUT;
+    }
     return p->heap.n ? p->heap.at[0] : NULL;
 }
 
 static void lrfu_hit(LsLayer *L, LsSlot *v, int rank) {
-    (void)L;
-    double w = 1.0 / (double)(1 + rank);
-    /* in the set, pol_value is its key: v is leaving (no sift), its uses start over */
-    v->pol_value = v->evictable ? w : v->pol_value + w;
+    LsLrfu *p = L->pol;
+    p->use[v->expert] += 1.0 / (double)(1 + rank);
 }
 
 static void lrfu_assign(LsLayer *L, LsSlot *v, int rank) {
-    (void)L;
-    v->pol_value = rank >= 0 ? 1.0 / (double)(1 + rank) : 0.0;   /* a prefetch or a pin: no use */
+    LsLrfu *p = L->pol;
+    p->use[v->expert] = rank >= 0 ? 1.0 / (double)(1 + rank) : 0.0;   /* a prefetch or a pin: no use */
 }
 
 const LsPolicy ls_policy_lrfu = {

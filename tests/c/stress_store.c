@@ -214,7 +214,9 @@ int main(int argc, char **argv) {
         ColiExpertStore *store = open_store(path, src, workers, mode == 2 || mode == 3, mode == 3, pins, replay,
                                             policy);
         if (!store) return 1;
-        if (!replay) contract_edges(store);
+        /* contract_edges' fault check needs an expert that LRU has evicted by then */
+        int edges = !replay && policy != COLI_POLICY_LRFU;
+        if (edges) contract_edges(store);
         pthread_t t[16];
         Arg a[16];
         if (threads > 16) threads = 16;
@@ -233,7 +235,7 @@ int main(int argc, char **argv) {
         CHECK(coli_lru_pinned(store, pinned, 4) == (pins ? 2 : 0), "pins lost");
         CHECK(!pins || (st.persistent_hits > 0 && pinned[0].layer == 0 && pinned[0].expert == 5 &&
                         pinned[1].layer == 2 && pinned[1].expert == 8), "pins wrong or never hit");
-        CHECK(st.loads_failed == (replay ? 0u : 1u) && st.requests == st.hits + st.misses + 0,
+        CHECK(st.loads_failed == (edges ? 1u : 0u) && st.requests == st.hits + st.misses + 0,
               "counters: requests %llu hits %llu misses %llu failed %llu",
               (unsigned long long)st.requests, (unsigned long long)st.hits,
               (unsigned long long)st.misses, (unsigned long long)st.loads_failed);
