@@ -30,6 +30,9 @@ those of :class:`colibri.Pilot` (``colibri.hf.runtime_of(model).pilot.report()``
 Block-scaled FP8 checkpoints (``quant_method: fp8``) load through
 transformers' FP8 loader in dequantize mode, subclassed the same way: the
 non-expert weights are dequantized at load, each routed expert when leased.
+gpt-oss MXFP4 checkpoints (``quant_method: mxfp4``) quantize only the routed
+experts, so the rest loads as a float checkpoint and each expert is
+dequantized when leased.
 
 Supported: transformers 5.x with the experts interface (tested on 5.24), and
 the architectures in :data:`SUPPORTED_MODEL_TYPES`. See docs/hf.md.
@@ -73,6 +76,17 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+#: Architectures transformers has whose routed experts colibri.hf cannot serve, and why.
+UNSUPPORTED_MOE_TYPES: dict[str, str] = {
+    "llama4": "transformers' Llama 4 experts module does not dispatch through its experts "
+              "interface (it runs every expert on every token, pre-weighted by the router), "
+              "so there is no hook where colibri could serve them",
+    "llama4_text": "transformers' Llama 4 experts module does not dispatch through its experts "
+                   "interface (it runs every expert on every token, pre-weighted by the router), "
+                   "so there is no hook where colibri could serve them",
 }
 
 #: The transformers versions colibri.hf supports (the experts interface and fused experts of 5.x).
@@ -194,8 +208,6 @@ class Runtime:
     def experts_forward(self, module: Any, layer: int, hidden_states: Any, top_k_index: Any,
                         top_k_weights: Any) -> Any:
         import torch
-        import torch.nn.functional as F
-
         store = self.store
         if store.closed:
             raise ColibriError(f"layer {layer}: the model's colibri store is closed "
@@ -224,7 +236,7 @@ class Runtime:
         groups = [order[i:i + slots] for i in range(0, len(order), slots)]
         out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
         out = torch.zeros(tokens, k, hidden_dim, dtype=out_dtype, device=hidden_states.device)
-        act = module.act_fn
+        ffn = _expert_ffn(module)
         compute_dtype = hidden_states.dtype
         for g, group in enumerate(groups):
             with store.lease_many(layer, group) as leased:
@@ -235,37 +247,81 @@ class Runtime:
                         self._predicted[nxt] = predicted
                 for ex in leased:
                     ts, js = rows[ex.key[1]]
-                    gate, up, down = _weights(ex, compute_dtype)
+                    weights = _weights(ex, compute_dtype)
                     if len(ts) == 1:
                         t, j = ts[0], js[0]
                         x = hidden_states[t:t + 1]
-                        y = F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                        y = ffn(x, *weights)
                         # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
                         out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
                     else:
                         token_idx = torch.tensor(ts, device=hidden_states.device)
                         pos = torch.tensor(js, device=hidden_states.device)
                         x = hidden_states[token_idx]
-                        y = F.linear(act(F.linear(x, gate)) * F.linear(x, up), down)
+                        y = ffn(x, *weights)
                         out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
-                    del gate, up, down
+                    del weights
         if self.progress is not None:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
                                         tokens, len(union), len(groups)))
         return out.sum(dim=1).to(hidden_states.dtype)
 
 
-def _weights(ex: Any, dtype: Any) -> tuple[Any, Any, Any]:
-    """gate, up and down of a leased expert as torch tensors of ``dtype``,
-    in the Mixtral orientation: the leased bytes themselves where the file
-    has them so, otherwise dequantized (fused or (in, out) layouts, MXFP4,
-    int4) into fresh tensors that live only for this expert."""
+_Weights = tuple[Any, Any, Any, Any, Any, Any]
+
+
+def _weights(ex: Any, dtype: Any) -> _Weights:
+    """gate, up, down and their biases (None where the checkpoint has none)
+    of a leased expert as torch tensors of ``dtype``, in the Mixtral
+    orientation: the leased bytes themselves where the file has them so,
+    otherwise dequantized (fused or (in, out) layouts, MXFP4, int4, biases)
+    into fresh tensors that live only for this expert."""
     info = ex.tensors
-    if info.fused or info.transposed or info.scheme not in (PLAIN, FP8_BLOCK):
-        weights = dequantize_torch(ex)
-        return weights["gate"].to(dtype), weights["up"].to(dtype), weights["down"].to(dtype)
+    if (info.fused or info.transposed or info.scheme not in (PLAIN, FP8_BLOCK)
+            or any(name is not None and name.endswith("_bias") for name in ex._part_names[ex.layer])):
+        w = dequantize_torch(ex)
+        gate, up, down = (w[role].to(dtype) for role in ("gate", "up", "down"))
+        biases = (w.get(f"{role}_bias") for role in ("gate", "up", "down"))
+        gate_b, up_b, down_b = (None if b is None else b.to(dtype) for b in biases)
+        return gate, up, down, gate_b, up_b, down_b
     gate, up, down = (_weight(ex, role, dtype) for role in ("gate", "up", "down"))
-    return gate, up, down
+    return gate, up, down, None, None, None
+
+
+def _expert_ffn(module: Any) -> Callable[..., Any]:
+    """One expert's computation as ``module`` defines it: x -> down(gate(x) ... up(x)).
+
+    Modules with transformers' default gating (``act_fn(gate) * up``) take
+    the direct path; a module with its own ``_apply_gate`` (gpt-oss's clamped
+    SwiGLU with ``up + 1``) gets the gate and up projections assembled in its
+    own layout (interleaved or concatenated) and gates them itself."""
+    import torch
+    import torch.nn.functional as F
+
+    custom = getattr(type(module), "_apply_gate", None)
+    if custom is not None and custom is not _default_apply_gate():
+        interleaved = not getattr(module, "is_concatenated", True)
+        apply_gate = module._apply_gate
+
+        def gated(x: Any, gate: Any, up: Any, down: Any, gate_b: Any, up_b: Any, down_b: Any) -> Any:
+            g, u = F.linear(x, gate, gate_b), F.linear(x, up, up_b)
+            gate_up = torch.stack((g, u), dim=-1).flatten(-2) if interleaved else torch.cat((g, u), dim=-1)
+            return F.linear(apply_gate(gate_up), down, down_b)
+
+        return gated
+    act = module.act_fn
+
+    def plain(x: Any, gate: Any, up: Any, down: Any, gate_b: Any, up_b: Any, down_b: Any) -> Any:
+        return F.linear(act(F.linear(x, gate, gate_b)) * F.linear(x, up, up_b), down, down_b)
+
+    return plain
+
+
+def _default_apply_gate() -> Any:
+    """transformers' default gating function (None where it has none)."""
+    from transformers.integrations import moe
+
+    return getattr(moe, "_default_apply_gate", None)
 
 
 def _weight(ex: Any, role: str, dtype: Any) -> Any:
@@ -294,7 +350,7 @@ def _experts_modules(model: Any) -> dict[int, Any]:
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
         m = _EXPERTS_PATH.search(name)
-        if m is not None and hasattr(module, "act_fn"):
+        if m is not None and (hasattr(module, "act_fn") or hasattr(module, "_apply_gate")):
             found[int(m.group(1))] = module
     return found
 
@@ -419,6 +475,10 @@ def _read_config(path: str) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"{cfg_path}: not a JSON object")
     model_type = cfg.get("model_type")
+    if model_type in UNSUPPORTED_MOE_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: model_type {model_type!r} is not supported: {UNSUPPORTED_MOE_TYPES[model_type]}; "
+            f"supported: {_supported_list()}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{path}: model_type {model_type!r} is not a MoE architecture colibri.hf runs; "
@@ -460,10 +520,11 @@ def from_pretrained(
         raise FormatError("colibri.hf chooses the layout from the checkpoint; do not pass layout")
     cfg = _read_config(path)
     quant = cfg.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") not in (None, "fp8"):
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in (None, "fp8", "mxfp4") or (method == "mxfp4" and cfg["model_type"] != "gpt_oss"):
         raise UnsupportedModelError(
-            f"{path}: quantization {quant.get('quant_method')!r} is not supported "
-            "(colibri.hf runs float and block-scaled FP8 checkpoints)")
+            f"{path}: quantization {method!r} is not supported for {cfg['model_type']!r} "
+            "(colibri.hf runs float and block-scaled FP8 checkpoints, and gpt-oss's MXFP4)")
     config_cls, fp8_config_cls = _register()
     import torch
     import transformers
@@ -481,7 +542,12 @@ def from_pretrained(
         config = transformers.AutoConfig.from_pretrained(path)
         load_config = config_cls()
         quant_cfg = getattr(config, "quantization_config", None)
-        if quant_cfg is not None:
+        if method == "mxfp4":
+            # gpt-oss MXFP4: only the routed experts are quantized (transformers
+            # converts nothing else); they are dequantized per lease by colibri
+            # and everything else is a float checkpoint.
+            del config.quantization_config
+        elif quant_cfg is not None:
             # Block-scaled FP8: the experts are dequantized per lease by colibri,
             # everything else by transformers' FP8 loader at load time.
             fp8 = dict(quant_cfg if isinstance(quant_cfg, dict) else quant_cfg.to_dict())
@@ -524,11 +590,13 @@ def from_pretrained(
 
 
 def module_parent_gate(model: Any, layer: int) -> Any:
-    """The router module of MoE layer ``layer`` (``layers[layer].mlp.gate``)."""
+    """The router module of MoE layer ``layer`` (``layers[layer].mlp.gate``,
+    or ``.mlp.router`` as gpt-oss names it)."""
+    ends = (f"layers.{layer}.mlp.gate", f"layers.{layer}.mlp.router")
     for name, module in model.named_modules():
-        if name.endswith(f"layers.{layer}.mlp.gate") and hasattr(module, "weight"):
+        if name.endswith(ends) and hasattr(module, "weight"):
             return module
-    raise FormatError(f"layer {layer}: no router module at layers.{layer}.mlp.gate")
+    raise FormatError(f"layer {layer}: no router module at layers.{layer}.mlp.gate or .mlp.router")
 
 
 def runtime_of(model: Any) -> Runtime:

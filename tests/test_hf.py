@@ -36,7 +36,8 @@ import colibri  # noqa: E402
 import colibri.hf as hf  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
 
-ARCHS = sorted(hf.SUPPORTED_MODEL_TYPES)
+# gpt-oss (not written by colibri.tiny_moe) has its own tests below.
+ARCHS = sorted(set(hf.SUPPORTED_MODEL_TYPES) - {"gpt_oss"})
 F32_TOL = 1e-5
 PAD = 1
 
@@ -371,3 +372,117 @@ def test_missing_shard(tmp_path, no_model_load) -> None:
     os.remove(tmp_path / shards[1])
     with pytest.raises(colibri.ColibriError, match=shards[1]):
         hf.from_pretrained(tmp_path)
+
+
+# -- gpt-oss (fused, interleaved gate_up with biases; clamped SwiGLU) and Llama 4 --
+
+def _gpt_oss(path: Any, seed: int) -> str:
+    config = transformers.GptOssConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+        vocab_size=64, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():                     # biases too: the init leaves them 0
+        for name, p in model.named_parameters():
+            # experts' gate_up large enough that the SwiGLU clamp (limit 7) is reached
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "gate_up" in name else 0.3))
+    model.save_pretrained(path, max_shard_size="40KB")
+    return str(path)
+
+
+def test_gpt_oss_logits_and_greedy_equal_stock(tmp_path) -> None:
+    path = _gpt_oss(tmp_path / "gpt_oss", 5)
+    with colibri.open_store(path, slots_per_layer=1, prefetch_workers=0) as store:
+        info = store.model.expert(0, 0)
+        assert info.fused == "interleaved" and "gate_up_bias" in info.part_names()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    batches = _batches(ref.config.vocab_size)
+    experts = ref.model.layers[0].mlp.experts
+    inputs: list[Any] = []
+    hook = experts.register_forward_pre_hook(lambda mod, args: inputs.append(args[0]))
+    with torch.no_grad():
+        want = [ref(ids, attention_mask=mask).logits for ids, mask in batches]
+        kwargs = dict(attention_mask=batches[1][1], max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+        want_tokens = ref.generate(batches[1][0], **kwargs)
+    hook.remove()
+    # The SwiGLU clamp (limit 7) is reached, so the test sees it computed as transformers does.
+    with torch.no_grad():
+        gate_up = inputs[0] @ experts.gate_up_proj + experts.gate_up_proj_bias[:, None, :]
+    assert float(gate_up.abs().max()) > experts.limit
+    for slots, prefetch in ((1, "pilot"), (2, None)):
+        model = hf.from_pretrained(path, slots_per_layer=slots, prefetch=prefetch)
+        try:
+            assert type(model) is type(ref)
+            assert not [n for n, _ in model.named_parameters() if ".mlp.experts." in n]
+            assert hf.store_of(model).stats().bytes_read == 0
+            with torch.no_grad():
+                for (ids, mask), w in zip(batches, want):
+                    diff = _max_diff(model(ids, attention_mask=mask).logits, w, mask)
+                    assert diff <= F32_TOL, f"gpt_oss slots={slots}: {diff:.3g}"
+                assert torch.equal(model.generate(batches[1][0], **kwargs), want_tokens)
+            if prefetch == "pilot":
+                assert hf.runtime_of(model).pilot.report().predictions > 0
+        finally:
+            model.colibri_close()
+
+
+def test_llama4_is_refused_with_the_reason(tmp_path, no_model_load) -> None:
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=32, intermediate_size_mlp=48,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, vocab_size=64)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(hf.UnsupportedModelError, match="experts interface"):
+        hf.from_pretrained(tmp_path)
+
+
+def test_gpt_oss_mxfp4_equals_transformers_dequantized(tmp_path) -> None:
+    """Experts as MXFP4 blocks and scales (biases float), as the released
+    checkpoints store them; the reference is transformers' own MXFP4 loader
+    dequantizing on a CPU."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    float_path = _gpt_oss(tmp_path / "float", 6)
+    path = tmp_path / "mxfp4"
+    path.mkdir()
+    gen = torch.Generator().manual_seed(8)
+    tensors: dict[str, Any] = {}
+    for f in sorted(os.listdir(float_path)):
+        if f.endswith(".safetensors"):
+            for name, value in load_file(os.path.join(float_path, f)).items():
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    experts, inp, out = value.shape
+                    tensors[name + "_blocks"] = torch.randint(0, 256, (experts, out, inp // 32, 16),
+                                                              generator=gen, dtype=torch.uint8)
+                    tensors[name + "_scales"] = torch.randint(120, 128, (experts, out, inp // 32),
+                                                              generator=gen, dtype=torch.uint8)
+                else:
+                    tensors[name] = value
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    with colibri.open_store(path, slots_per_layer=1, prefetch_workers=0) as store:
+        assert store.model.expert(0, 0).scheme == "mxfp4"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    model = hf.from_pretrained(path, slots_per_layer=2)
+    try:
+        assert model.dtype == ref.dtype
+        assert not [n for n, _ in model.named_parameters() if ".mlp.experts." in n]
+        assert hf.store_of(model).stats().bytes_read == 0
+        ids, mask = _batches(ref.config.vocab_size)[1]
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask).logits
+            got = model(ids, attention_mask=mask).logits
+        scale = float(want[mask.bool()].abs().max())
+        assert _max_diff(got, want, mask) <= F32_TOL * max(scale, 1.0)
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+        assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+    finally:
+        model.colibri_close()
