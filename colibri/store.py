@@ -32,6 +32,7 @@ from colibri.errors import (
 from colibri.layouts import ROLES, AnyLayout, ExpertTensors, ModelExperts, scan_model
 from colibri.safetensors_reader import ModelSource
 from colibri.stats import StoreStats
+from colibri import usage as _usage
 
 __all__ = [
     "open_store",
@@ -147,6 +148,8 @@ class Store:
     Thread-safe: many threads may lease, release, prefetch and read stats at
     once. Build it with :func:`open_store`.
     """
+
+    _usage: Any = None  # a colibri.usage.UsageTracker with open_store(usage_file=...)
 
     def __init__(
         self,
@@ -427,11 +430,30 @@ class Store:
         or another thread is inside a lookup; a second close does nothing."""
         if self._closed:
             return
+        if self._usage is not None:
+            self._usage.collect()
         err = ffi.new("char[]", _ERR_LEN)
         _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
         if not self.replay:
             self._tenancies.clear()  # their addresses point into freed slot memory now
+        if self._usage is not None:
+            self._usage.finish()  # ends the turn and saves the history
+
+    @property
+    def usage(self) -> Any:
+        """The usage history (a :class:`colibri.Usage`) of
+        ``open_store(usage_file=...)``, else None. Counts up to the last
+        save; :meth:`save_usage` brings it up to date."""
+        return None if self._usage is None else self._usage.usage
+
+    def save_usage(self) -> None:
+        """Add what the store served since the last save to the usage
+        history and write it to its file, atomically (``close`` does too)."""
+        self._check_open()
+        if self._usage is None:
+            raise FormatError("this store keeps no usage history: open it with usage_file=PATH")
+        self._usage.save()
 
     def __enter__(self) -> "Store":
         return self
@@ -744,6 +766,11 @@ def open_store(
     read_advice: bool = True,
     policy: str = "lru",
     pin: Iterable[tuple[int, int]] | None = None,
+    usage_file: Union[str, "os.PathLike[str]", None] = None,
+    usage_half_life: float | None = _usage.DEFAULT_HALF_LIFE,
+    usage_half_life_turns: float | None = None,
+    usage_any_model: bool = False,
+    pinned_bytes: int | None = None,
 ) -> Store:
     """Open a model's routed experts as a leased, per-layer cache.
 
@@ -788,6 +815,15 @@ def open_store(
     ``read_advice=False`` leaves the readahead on and gives no advice (for
     comparisons).
     O_DIRECT reads take one call per expert.
+
+    ``usage_file`` keeps a usage history (:class:`colibri.Usage`): it is
+    loaded at open (a missing file starts an empty one; another model's file
+    is a FormatError unless ``usage_any_model``), counts each layer's routed
+    experts with decay (``usage_half_life`` requests of a layer halve what
+    came before; ``usage_half_life_turns`` sessions, too) and is saved
+    atomically on ``close()`` and ``store.save_usage()``. ``pinned_bytes``
+    pins the history's hottest experts (at most half of a layer's slots),
+    up to that many bytes of the budget, beside any ``pin``.
     """
     if slots_per_layer is not None and capacity_bytes is not None:
         raise FormatError("give slots_per_layer or capacity_bytes, not both")
@@ -809,6 +845,16 @@ def open_store(
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
     if slots_per_layer is not None:
         slots_per_layer = _slots(slots_per_layer, model.layers)
+    history = None
+    if usage_file is not None:
+        history = _usage.load_for_store(
+            usage_file, {l: model.num_experts(l) for l in model.layers}, _usage.fingerprint_of_model(model),
+            half_life=usage_half_life, half_life_turns=usage_half_life_turns, any_model=usage_any_model)
+    if pinned_bytes is not None:
+        pinned_bytes = _count(pinned_bytes, "pinned_bytes", minimum=0)
+        if history is None:
+            raise FormatError("pinned_bytes pins the hottest experts of a usage history: give usage_file")
+        pins = _usage.pins_for_store(history, model, pinned_bytes, slots_per_layer, capacity_bytes, pins)
     if direct_io == "auto":
         direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
         log.info("direct_io=auto: %s", why)
@@ -831,6 +877,8 @@ def open_store(
     )
     if direct_io is True and not store.direct_io:
         log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
+    if history is not None and usage_file is not None:
+        store._usage = _usage.UsageTracker(store, history, usage_file)
     return store
 
 
