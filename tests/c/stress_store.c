@@ -216,6 +216,10 @@ int main(int argc, char **argv) {
         if (!store) return 1;
         /* contract_edges' fault check needs an expert that LRU has evicted by then */
         int edges = !replay && policy != COLI_POLICY_LRFU;
+        /* the injected fault must meet contract_edges' own read, not a pin's
+         * background load (mode 6 keeps pins loading while the threads run) */
+        if (edges && pins && workers)
+            CHECK(coli_lru_wait_idle(store, -1, -1) == 0, "pins never finished loading");
         if (edges) contract_edges(store);
         pthread_t t[16];
         Arg a[16];
