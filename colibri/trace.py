@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import operator
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
+from colibri._atomic import save_npz_atomically
 from colibri.errors import FormatError
 
 __all__ = ["Trace", "TraceRecorder"]
@@ -258,19 +258,7 @@ class Trace:
         }
         if self.weights is not None:
             arrays["weights"] = self.weights
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        save_npz_atomically(target, arrays, compressed=True)
 
     # -- comparisons and display --
 

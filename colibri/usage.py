@@ -28,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Union
 
 import numpy as np
 
+from colibri._atomic import save_npz_atomically
 from colibri.errors import FormatError
 
 __all__ = ["Usage", "model_fingerprint", "DEFAULT_HALF_LIFE"]
@@ -240,21 +240,7 @@ class Usage:
         directory, flushed to disk, then renamed over ``path``. If anything
         fails the old file is left as it was."""
         target = Path(os.fspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **self._arrays())  # type: ignore[arg-type]
-                f.flush()
-                os.fsync(f.fileno())
-            if _before_rename is not None:
-                _before_rename(tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        save_npz_atomically(target, self._arrays(), before_rename=_before_rename)
 
     @classmethod
     def load(cls, path: PathLike, *, fingerprint: str | None = None, any_model: bool = False) -> "Usage":
