@@ -1,4 +1,4 @@
-"""Command line: `colibri demo` and `colibri inspect PATH [--slots N | --ram-gb X] [--json]`."""
+"""Command line: `colibri demo`, `inspect`, `generate`, `replay` and `plan` (`colibri --help`)."""
 
 from __future__ import annotations
 
