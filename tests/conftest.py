@@ -190,3 +190,15 @@ def fresh_model(tmp_path) -> SyntheticModel:
 def expected():
     """``expected(model)`` -> expected expert tensors, as in :func:`expected_experts`."""
     return expected_experts
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module of tiny models: faster, and far faster
+    on a shared, busy machine (the colibri.hf tests use it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
