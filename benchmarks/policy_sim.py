@@ -376,6 +376,87 @@ class Counts:
         self.evictions += o.evictions
 
 
+class CCooc(Policy):
+    """The store's ``cooc`` policy, operation for operation (csrc/ls_policy.c):
+    per layer it learns how often expert b was asked in the lookup right after
+    one that asked a (``follow[a][b]``) and how often each expert was asked
+    (``count``), each use adding g(now), g doubling every ``half`` lookups
+    (2**-64 rescale at 64 doublings). The victim, among the m oldest
+    evictable experts in LRU order (m = max(slots // 2, 2 x the lookup's
+    experts), at most 64), has the lowest sum of follow[a][x] over the
+    lookup's experts a plus prior x g x |S| x count[x] / total; ties go to
+    the older."""
+
+    RESCALE = 64
+    CANDIDATES = 64
+    PRIOR = 1.0
+
+    def __init__(self, slots: int, half: int = 64) -> None:
+        self.slots = slots
+        self.half = half
+        self.follow: dict[int, dict[int, float]] = {}
+        self.count: dict[int, float] = {}
+        self.total = 0.0
+        self.cur: list[int] = []
+        self.steps = self.base = self.q = 0
+        self.pow = 1.0
+        self.g = 1.0
+        self.lru: OrderedDict[int, None] = OrderedDict()   # oldest first
+
+    def scale_now(self) -> float:
+        d = self.steps - self.base
+        while d >= self.half * (self.q + 1):
+            self.q += 1
+            self.pow *= 2.0
+            if self.q == self.RESCALE:
+                for row in self.follow.values():
+                    for b in row:
+                        row[b] *= 2.0 ** -64
+                for b in self.count:
+                    self.count[b] *= 2.0 ** -64
+                self.total *= 2.0 ** -64
+                self.base += self.RESCALE * self.half
+                self.q = 0
+                self.pow = 1.0
+                d = self.steps - self.base
+        return self.pow * (1.0 + (d - self.q * self.half) / self.half)
+
+    def note_step(self, experts: list[int]) -> None:
+        """A lookup_many of these distinct experts begins."""
+        prev, self.cur = self.cur, list(experts)
+        self.steps += 1
+        g = self.scale_now()
+        for a in prev:
+            row = self.follow.setdefault(a, {})
+            for b in self.cur:
+                row[b] = row.get(b, 0.0) + g
+        for b in self.cur:
+            self.count[b] = self.count.get(b, 0.0) + g
+        self.total += g * len(self.cur)
+        self.g = g
+
+    def victim(self, resident, busy, t):
+        m = min(self.CANDIDATES, max(self.slots // 2, 2 * len(self.cur)))
+        c = self.PRIOR * self.g * len(self.cur) / self.total if self.total > 0 else 0.0
+        best, best_score = None, 0.0
+        for x in [e for e in self.lru if e not in busy][:m]:
+            score = 0.0
+            for a in self.cur:
+                score += self.follow.get(a, {}).get(x, 0.0)
+            score += c * self.count.get(x, 0.0)
+            if best is None or score < best_score:
+                best, best_score = x, score
+        assert best is not None
+        return best
+
+    def release(self, e, t, w, rank, hit):
+        self.lru.pop(e, None)
+        self.lru[e] = None
+
+    def remove(self, e):
+        del self.lru[e]
+
+
 def _requests(experts: np.ndarray, weights: np.ndarray | None):
     """Per token: the distinct non-negative experts in request order, with
     their weight and rank."""
@@ -401,9 +482,12 @@ def simulate_layer(experts: np.ndarray, weights: np.ndarray | None, slots: int,
     if policy is None:
         return _belady_layer(reqs, slots)
     note = getattr(policy, "note_request", None)
+    step = getattr(policy, "note_step", None)
     now = 0   # the layer's requests so far: the policies' clock
     for t, row in enumerate(reqs):
         busy = {e for e, _, _ in row}
+        if step and row:   # the store makes no lookup for an empty row
+            step([e for e, _, _ in row])
         if len(busy) > slots:
             raise ValueError(f"{len(busy)} experts asked of a layer with {slots} slots")
         hit = {e: e in resident for e in busy}
@@ -522,6 +606,8 @@ def make_policy(spec: str, prior: np.ndarray | None = None) -> Callable[[int, in
         return lambda li, s: None
     if name == "lrfu":
         return lambda li, s: CLrfu(s)
+    if name == "cooc":
+        return lambda li, s: CCooc(s, int(arg) if arg else 64)
     if name == "arc":
         return lambda li, s: ARC(s)
     if name == "slru":
@@ -564,7 +650,7 @@ def splits(trace: Trace) -> list[tuple[Trace, Trace]]:
     return [(A, B), (B, A)]
 
 
-DEFAULT_POLICIES = "lru,lrfu,crf:16,crf-router:2t,crf-rank:2t/pop=0.5,arc,slru,belady"
+DEFAULT_POLICIES = "lru,lrfu,cooc,crf:16,crf-router:2t,crf-rank:2t/pop=0.5,arc,slru,belady"
 
 
 def budgets_for(trace: Trace, budgets: Sequence[float]) -> list[float]:

@@ -135,9 +135,14 @@ typedef struct {
 enum {
     COLI_POLICY_LRU = 0,            /* least recently used */
     COLI_POLICY_LFU = 1,            /* least frequently used since loaded, then least recently */
-    COLI_POLICY_LRFU = 2            /* least decayed use count, uses weighted by rank in lookup_many;
+    COLI_POLICY_LRFU = 2,           /* least decayed use count, uses weighted by rank in lookup_many;
                                      * policy_param: half-life in multiples of the layer's slots
                                      * (default 2) */
+    COLI_POLICY_COOC = 3            /* among the older half of the evictable slots, the expert least
+                                     * likely to be asked right after the current lookup's experts,
+                                     * learnt from the layer's own sequence of lookups;
+                                     * policy_param: half-life of what it learnt, in lookups of the
+                                     * layer (default 64) */
 };
 
 /* PINNED EXPERTS. Each pinned expert takes one slot out of its layer's

@@ -4,7 +4,7 @@
  *   lru_store.c     life cycle: create (config, layers, slots), close,
  *                   destroy, stats, the small extras
  *   ls_slots.c      the slot state machine and its named transitions
- *   ls_policy.c     the eviction policies behind the seam (LRU)
+ *   ls_policy.c     the eviction policies behind the seam (lru, lfu, lrfu, cooc)
  *   ls_lookup.c     lookup, lookup_resident, lookup_many, release, replay
  *   ls_prefetch.c   prefetch, the I/O workers' jobs (prefetches, batch
  *                   reads, pins), pacing, retire
@@ -116,11 +116,14 @@ typedef struct {
     /* v was given to a new expert: by a demand miss (used, with its rank),
      * or by a prefetch or a pin (not used, rank -1). */
     void (*assign)(LsLayer *L, LsSlot *v, int rank);
+    /* A lookup (count 1) or lookup_many of these experts (in request
+     * order, repeats possible) begins, before any of its hits or misses. */
+    void (*step)(LsLayer *L, const int *experts, int count);
     int (*init)(LsLayer *L, char *err, size_t n);   /* before any slot joins the set */
     void (*fini)(LsLayer *L);                       /* frees what init allocated */
 } LsPolicy;
 
-extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu;
+extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu, ls_policy_cooc;
 
 /* The LRU list (ls_policy.c describes it), inline for the hit path. */
 static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold);

@@ -93,7 +93,7 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
     for (;;) {
         LsSlot *v = L->slot_of[expert];
         if (v && v->state == LS_RESIDENT) {
-            L->clock += !ticked;
+            if (!ticked) ls_tick(L, &expert, 1);
             ls_slot_lease(L, v, view, 0);
             pthread_mutex_unlock(&L->mu);
             return COLI_OK;
@@ -102,7 +102,7 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
             pthread_mutex_unlock(&L->mu);
             return COLI_EAGAIN;
         }
-        L->clock += !ticked;
+        if (!ticked) ls_tick(L, &expert, 1);
         ticked = true;
         if (v && v->state == LS_READING) {   /* join that load */
             if (!joined) L->c.inflight_joins++;
@@ -432,7 +432,7 @@ static int lookup_many_impl(LsStore *s, int layer, const int *experts,
     int rc = batch_prepare(&b);
     if (rc == COLI_OK) {
         pthread_mutex_lock(&L->mu);
-        L->clock++;
+        ls_tick(L, experts, count);
         bool joined = false, again;
         do {
             again = false;

@@ -42,6 +42,27 @@
  * least evictable slot. A prefetched slot joins as if used now, its count
  * unchanged; empty and demoted slots join with negative keys, evicted
  * first, the last one first, as LRU's cold end.
+ *
+ * COOC (co-occurrence). Routing has structure across steps: which experts a
+ * token picks says something about which ones the next token picks. The
+ * policy learns, per layer and online, how often expert b was asked in the
+ * lookup right after one that asked a (follow[a][b]), and how often each
+ * expert was asked at all (count), both decayed with a half-life of `half`
+ * lookups (the policy parameter, default 64), kept scaled as LRFU's counts
+ * are (g doubles every half; at 64 doublings everything is multiplied by
+ * 2^-64). Recency still matters most, so the set is LRU's list, and the
+ * victim is chosen among its m oldest slots, m = max(n_slots / 2, 2 x the
+ * lookup's experts), at most COOC_CANDIDATES: the one whose expert is least
+ * likely to follow the current lookup's experts S, by the score
+ *
+ *      sum over a in S of follow[a][x]  +  prior * g * |S| * count[x] / total
+ *
+ * (the second term, the expert's overall share, speaks for x where S has
+ * little history; prior is 1). Ties go to the older slot. A cold slot (empty
+ * or demoted) at the list's end goes first. Costs: a lookup of k experts
+ * adds k x (previous lookup's k) to follow, O(k^2); a victim costs
+ * O(m k); memory is n_entries^2 doubles per layer. docs/policies.md has the
+ * study behind it.
  */
 #include "ls_internal.h"
 
@@ -179,6 +200,37 @@ const LsPolicy ls_policy_lfu = {
     .fini = lfu_fini,
 };
 
+/* ---- decayed counts, kept scaled ----------------------------------- */
+
+/* Counts that halve every `half` ticks are kept scaled to a common time:
+ * a use at tick t adds w * g(t), g doubling every half ticks, linearly in
+ * between, so nothing changes while an expert is not used. g is
+ * 2^q * (1 + r / half) for now - base = q * half + r. When q reaches
+ * `limit`, shrink multiplies every count by 2^-limit (exact: order and
+ * ratios kept) and base moves on. */
+typedef struct {
+    uint64_t half;                /* ticks per halving, >= 1 */
+    uint64_t base;                /* tick of the last rescale */
+    uint64_t q;                   /* whole half-lives from base, as of the last g */
+    double pow;                   /* 2^q */
+} LsGrowth;
+
+static double growth_now(LsGrowth *d, uint64_t now, uint64_t limit, void (*shrink)(LsLayer *), LsLayer *L) {
+    uint64_t t = now - d->base;
+    while (t >= d->half * (d->q + 1)) {
+        d->q++;
+        d->pow *= 2.0;
+        if (d->q == limit) {
+            shrink(L);
+            d->base += limit * d->half;
+            d->q = 0;
+            d->pow = 1.0;
+            t = now - d->base;
+        }
+    }
+    return d->pow * (1.0 + (double)(t - d->q * d->half) / (double)d->half);
+}
+
 /* ---- LRFU ----------------------------------------------------------- */
 
 #define LRFU_RESCALE 512          /* q at which the counts are scaled by 2^-512 */
@@ -188,10 +240,7 @@ typedef struct {
     LsHeap heap;                  /* every evictable slot, and leased ones not popped yet */
     double *count;                /* indexed by expert: decayed use count, scaled */
     double *use;                  /* indexed by expert: weight of its uses since its slot last joined */
-    uint64_t half;                /* half-life, in requests of the layer */
-    uint64_t base;                /* requests of the layer at the last rescale */
-    uint64_t q;                   /* whole half-lives from base, as of the last join */
-    double pow;                   /* 2^q */
+    LsGrowth growth;              /* ticks: requests of the layer */
     uint64_t seq;                 /* joins of the set so far */
 } LsLrfu;
 
@@ -215,8 +264,8 @@ static int lrfu_init(LsLayer *L, char *err, size_t n) {
         return coli_fail(err, n, COLI_ENOMEM, "out of memory for the policy of layer %d", L->id);
     }
     uint64_t half = (uint64_t)(mult * (double)L->n_slots + 0.5);   /* rounded: both are positive */
-    p->half = half < 1 ? 1 : half;
-    p->pow = 1.0;
+    p->growth.half = half < 1 ? 1 : half;
+    p->growth.pow = 1.0;
     for (int j = 0; j < L->n_slots; j++) L->slots[j].pol_index = LRFU_OUT;
     L->pol = p;
     return COLI_OK;
@@ -233,24 +282,16 @@ static void lrfu_fini(LsLayer *L) {
     L->pol = NULL;
 }
 
-/* g(now): brings q and pow up to now, scaling every count and key down by
- * 2^-512 each time q reaches LRFU_RESCALE. */
+/* Every count and key by 2^-512 (LRFU_RESCALE doublings). */
+static void lrfu_shrink(LsLayer *L) {
+    LsLrfu *p = L->pol;
+    for (int x = 0; x < L->n_entries; x++) p->count[x] *= 0x1p-512;
+    for (uint32_t i = 0; i < p->heap.n; i++)
+        if (p->heap.at[i]->pol_value > 0) p->heap.at[i]->pol_value *= 0x1p-512;
+}
+
 static double lrfu_scale_now(LsLayer *L, LsLrfu *p) {
-    uint64_t d = L->c.requests - p->base;
-    while (d >= p->half * (p->q + 1)) {
-        p->q++;
-        p->pow *= 2.0;
-        if (p->q == LRFU_RESCALE) {
-            for (int x = 0; x < L->n_entries; x++) p->count[x] *= 0x1p-512;
-            for (uint32_t i = 0; i < p->heap.n; i++)
-                if (p->heap.at[i]->pol_value > 0) p->heap.at[i]->pol_value *= 0x1p-512;
-            p->base += LRFU_RESCALE * p->half;
-            p->q = 0;
-            p->pow = 1.0;
-            d = L->c.requests - p->base;
-        }
-    }
-    return p->pow * (1.0 + (double)(d - p->q * p->half) / (double)p->half);
+    return growth_now(&p->growth, L->c.requests, LRFU_RESCALE, lrfu_shrink, L);
 }
 
 static bool lrfu_less(const LsSlot *a, const LsSlot *b) {
@@ -317,9 +358,145 @@ const LsPolicy ls_policy_lrfu = {
     .fini = lrfu_fini,
 };
 
+/* ---- COOC ----------------------------------------------------------- */
+
+#define COOC_RESCALE 64           /* q at which everything is scaled by 2^-64 */
+#define COOC_CANDIDATES 64        /* the most slots a victim search looks at */
+#define COOC_PRIOR 1.0            /* weight of an expert's overall share in its score */
+
+typedef struct {
+    double *follow;               /* n_entries^2: [a * n_entries + b], scaled */
+    double *count;                /* n_entries: uses, scaled */
+    double total;                 /* sum of count */
+    int *cur, *prev;              /* this lookup's and the previous one's distinct experts (n_slots places) */
+    int n_cur, n_prev;
+    double g;                     /* the scale of the last step */
+    uint64_t steps;               /* lookups of the layer */
+    LsGrowth growth;              /* ticks: steps */
+} LsCooc;
+
+static void cooc_free(LsCooc *p) {
+    if (!p) return;
+    free(p->follow);
+    free(p->count);
+    free(p->cur);
+    free(p->prev);
+    free(p);
+}
+
+static int cooc_init(LsLayer *L, char *err, size_t n) {
+    double half = L->pol_param > 0 ? L->pol_param : 64.0;
+    if (!(half <= 1e12))
+        return coli_fail(err, n, COLI_ECONFIG, "cooc: half-life of %g lookups is out of range", half);
+    size_t e = (size_t)L->n_entries;
+    LsCooc *p = calloc(1, sizeof(LsCooc));
+    if (p) {
+        p->follow = e <= SIZE_MAX / sizeof(double) / (e ? e : 1) ? calloc(e * e, sizeof(double)) : NULL;
+        p->count = calloc(e, sizeof(double));
+        p->cur = calloc((size_t)L->n_slots, sizeof(int));
+        p->prev = calloc((size_t)L->n_slots, sizeof(int));
+    }
+    if (!p || !p->follow || !p->count || !p->cur || !p->prev) {
+        cooc_free(p);
+        return coli_fail(err, n, COLI_ENOMEM, "out of memory for the cooc policy of layer %d (%zu x %zu counts)",
+                         L->id, e, e);
+    }
+    uint64_t h = (uint64_t)(half + 0.5);
+    p->growth.half = h < 1 ? 1 : h;
+    p->growth.pow = 1.0;
+    p->g = 1.0;
+    L->pol = p;
+    return COLI_OK;
+}
+
+static void cooc_fini(LsLayer *L) {
+    cooc_free(L->pol);
+    L->pol = NULL;
+}
+
+/* Everything learnt by 2^-64 (COOC_RESCALE doublings). */
+static void cooc_shrink(LsLayer *L) {
+    LsCooc *p = L->pol;
+    size_t e = (size_t)L->n_entries;
+    for (size_t i = 0; i < e * e; i++) p->follow[i] *= 0x1p-64;
+    for (size_t i = 0; i < e; i++) p->count[i] *= 0x1p-64;
+    p->total *= 0x1p-64;
+}
+
+static void cooc_step(LsLayer *L, const int *experts, int count) {
+    LsCooc *p = L->pol;
+    int *swap = p->prev;
+    p->prev = p->cur;
+    p->n_prev = p->n_cur;
+    p->cur = swap;
+    p->n_cur = 0;
+    for (int i = 0; i < count; i++) {
+        bool seen = false;
+        for (int j = 0; j < p->n_cur && !seen; j++) seen = p->cur[j] == experts[i];
+        if (!seen && p->n_cur < L->n_slots) p->cur[p->n_cur++] = experts[i];
+    }
+    p->steps++;
+    double g = growth_now(&p->growth, p->steps, COOC_RESCALE, cooc_shrink, L);
+    size_t e = (size_t)L->n_entries;
+    for (int i = 0; i < p->n_prev; i++) {
+        int a = p->prev[i];
+        double *row = p->follow + (size_t)a * e;
+        for (int j = 0; j < p->n_cur; j++) row[p->cur[j]] += g;
+    }
+    for (int j = 0; j < p->n_cur; j++) p->count[p->cur[j]] += g;
+    p->total += g * (double)p->n_cur;
+    p->g = g;
+}
+
+static void cooc_insert(LsLayer *L, LsSlot *v, bool cold) {
+    v->pol_value = cold ? 1.0 : 0.0;
+    ls_lru_insert(L, v, cold);
+}
+
+static void cooc_remove(LsLayer *L, LsSlot *v) {
+    (void)L;
+    ls_lru_remove(v);
+}
+
+static LsSlot *cooc_victim(LsLayer *L) {
+    LsCooc *p = L->pol;
+    LsSlot *v = L->list.prev;
+    if (v == &L->list) return NULL;
+    if (v->pol_value != 0.0) return v;        /* cold: empty or demoted */
+    int m = L->n_slots / 2;
+    if (m < 2 * p->n_cur) m = 2 * p->n_cur;
+    if (m > COOC_CANDIDATES) m = COOC_CANDIDATES;
+    double c = p->total > 0 ? COOC_PRIOR * p->g * (double)p->n_cur / p->total : 0.0;
+    size_t e = (size_t)L->n_entries;
+    LsSlot *best = NULL;
+    double best_score = 0.0;
+    for (int i = 0; i < m && v != &L->list; i++, v = v->prev) {
+        int x = v->expert;
+        double score = 0.0;
+        for (int j = 0; j < p->n_cur; j++) score += p->follow[(size_t)p->cur[j] * e + (size_t)x];
+        score += c * p->count[x];
+        if (!best || score < best_score) {
+            best = v;
+            best_score = score;
+        }
+    }
+    return best;
+}
+
+const LsPolicy ls_policy_cooc = {
+    .name = "cooc",
+    .insert = cooc_insert,
+    .remove = cooc_remove,
+    .victim = cooc_victim,
+    .step = cooc_step,
+    .init = cooc_init,
+    .fini = cooc_fini,
+};
+
 const LsPolicy *const ls_policies[] = {
     [COLI_POLICY_LRU] = &ls_policy_lru,
     [COLI_POLICY_LFU] = &ls_policy_lfu,
     [COLI_POLICY_LRFU] = &ls_policy_lrfu,
+    [COLI_POLICY_COOC] = &ls_policy_cooc,
     NULL,
 };

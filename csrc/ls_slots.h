@@ -77,6 +77,13 @@ static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
     L->evictable--;
 }
 
+/* A lookup or lookup_many of these experts begins: the layer's clock
+ * ticks and the policy hears of it. */
+static inline void ls_tick(LsLayer *L, const int *experts, int count) {
+    L->clock++;
+    if (L->policy->step) L->policy->step(L, experts, count);
+}
+
 /* The slot an eviction would take now, or NULL. */
 static inline LsSlot *ls_victim(LsLayer *L) {
     if (L->policy == &ls_policy_lru) return L->list.prev == &L->list ? NULL : L->list.prev;

@@ -3,8 +3,8 @@
 ``benchmarks/policy_sim.py`` simulates per-layer caches with lease_many
 semantics, each policy written out again in Python (the ``lrfu`` policy
 operation for operation). A replay store fed the same routing must end with
-the same hits, misses and evictions on every layer, for lru and lrfu: on
-random routing (hypothesis), on long routing (the lrfu counts' rescaling
+the same hits, misses and evictions on every layer, for lru, lrfu and cooc:
+on random routing (hypothesis), on long routing (the counts' rescaling
 runs), and on the two real traces. Leased and pinned slots are never
 evicted whatever the policy.
 """
@@ -29,7 +29,7 @@ import policy_sim  # noqa: E402
 TRACES = ROOT / "tests" / "data" / "traces"
 # The policies the simulator writes out exactly (lfu's ties fall to the
 # C heap's order; its own tests cover it).
-SIMULATED = [p for p in POLICIES if p in ("lru", "lrfu")]
+SIMULATED = [p for p in POLICIES if p in ("lru", "lrfu", "cooc")]
 
 
 def store_counts(experts: np.ndarray, num_experts: int, slots, policy: str, pin=()):
@@ -89,6 +89,7 @@ def test_store_counters_equal_the_simulator_on_random_routing(policy, case):
 def test_store_counters_equal_the_simulator_on_long_skewed_routing(policy):
     # lrfu's counts double every 2 x slots requests and are rescaled by
     # 2**-512 at 512 doublings: 20,000 requests of 3 slots pass that 6 times.
+    # cooc's double every 64 lookups, rescaled at 64 doublings: 4 times.
     rng = np.random.default_rng(7)
     p = 1.0 / np.arange(1, 11) ** 1.2
     experts = rng.choice(10, size=(20000, 2, 1), p=p / p.sum()).astype(np.int32)
@@ -123,6 +124,29 @@ def test_lrfu_keeps_an_often_used_expert_that_lru_evicts():
     assert lru[0] == 0
     assert lrfu[0] >= returns - 2
     assert (lrfu[0], lrfu[1]) == sim_counts(experts, {0: 3}, "lrfu")[0][:2]
+
+
+def test_cooc_learns_which_expert_comes_next_where_recency_thrashes():
+    # Four experts in a cycle through three slots: the one LRU (and any
+    # count of uses) evicts is always the next one asked, so they never hit.
+    # cooc learns that d follows c, and so on, and evicts the resident expert
+    # that is not asked next: after the first lap, every other lookup hits.
+    experts = np.array([[t % 4] for t in range(400)], dtype=np.int32)[:, None, :]
+    for policy in ("lru", "lrfu"):
+        assert store_counts(experts, 4, 3, policy)[0][0] == 0
+    hits, misses, _ = store_counts(experts, 4, 3, "cooc")[0]
+    assert hits >= (400 - 8) // 2
+    assert (hits, misses) == sim_counts(experts, {0: 3}, "cooc")[0][:2]
+
+
+def test_cooc_falls_back_to_recency_without_history():
+    # With nothing learnt every candidate scores the same: the oldest goes,
+    # as with LRU (experts never repeat, so nothing is learnt).
+    experts = np.arange(40, dtype=np.int32).reshape(20, 1, 2)
+    for policy in ("lru", "cooc"):
+        assert store_counts(experts, 40, 4, policy)[0] == (0, 40, 36)
+    ring = np.array([[0, 1], [2, 3], [0, 1], [4, 5], [0, 1]], dtype=np.int32)[:, None, :]
+    assert store_counts(ring, 6, 4, "cooc") == store_counts(ring, 6, 4, "lru")
 
 
 @pytest.mark.parametrize("policy, first_stays", [("lru", False), ("lrfu", True)])
