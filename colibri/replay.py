@@ -159,8 +159,11 @@ def replay(
     """Replay ``trace`` through the store's C code with these per-layer
     budgets, eviction ``policy`` and ``pinned`` experts (a list of
     ``(layer, expert)``, each taking one slot of its layer). ``usage`` (a
-    :class:`colibri.Usage`, or a Trace whose counts stand for one) seeds the
-    history of policies that use it."""
+    :class:`colibri.Usage`, or a Trace whose counts stand for one) is the
+    history a store opened with ``usage_file`` and ``warm_start=True``
+    would have: each layer's unpinned slots start with its hottest experts
+    that are not pinned, the hottest the most recent, loaded for free
+    before the first token (compare with ``belady(..., warm=True)``)."""
     slots = resolve_slots(trace, slots_per_layer)
     pins = _pins_by_layer(trace, pinned)
     for layer, experts in pins.items():
@@ -175,23 +178,39 @@ def replay(
         if policy != "lru" or usage is not None:
             raise FormatError(f"policy {policy!r} needs the store's replay mode, which this build lacks")
         return _replay_python(trace, slots, pins)
-    return _replay_c(opener, trace, slots, pins, policy, usage)
+    warm = _warm_from(usage, trace, slots, pins) if usage is not None else []
+    return _replay_c(opener, trace, slots, pins, policy, warm)
+
+
+def _warm_from(usage: Any, trace: Trace, slots: dict[int, int],
+               pins: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """What ``warm_start`` would load from this history: each layer's
+    hottest unpinned experts, as many as its unpinned slots, hottest last."""
+    from colibri.usage import Usage, warm_order
+
+    if isinstance(usage, Trace):
+        usage = Usage.from_trace(usage)
+    if not isinstance(usage, Usage):
+        raise FormatError(f"usage must be a colibri.Usage or a colibri.Trace, not {type(usage).__name__}")
+    for layer in trace.layers.tolist():
+        if layer not in usage.layers or usage.num_experts(layer) != trace.num_experts:
+            raise FormatError(f"usage: its layer {layer} does not match the trace's "
+                              f"({trace.num_experts} experts)")
+    room = {layer: slots[layer] - len(pins[layer]) for layer in slots}
+    return warm_order(usage, room, [(layer, e) for layer in pins for e in pins[layer]])
 
 
 def _replay_c(
-    opener: Any, trace: Trace, slots: dict[int, int], pins: dict[int, list[int]], policy: str, usage: Any
+    opener: Any, trace: Trace, slots: dict[int, int], pins: dict[int, list[int]], policy: str,
+    warm: list[tuple[int, int]],
 ) -> ReplayResult:
     layers = trace.layers.tolist()
     kwargs: dict[str, Any] = dict(expert_nbytes=1, slots_per_layer=slots, policy=policy)
     pin_list = [(layer, e) for layer in layers for e in pins[layer]]
     if pin_list:
         kwargs["pin"] = pin_list
-    if usage is not None:
-        import inspect
-
-        if "usage" not in inspect.signature(opener).parameters:
-            raise FormatError(f"usage: no policy of this build ({policy!r} included) uses a usage history")
-        kwargs["usage"] = usage
+    if warm:
+        kwargs["warm"] = warm
     store = opener({layer: trace.num_experts for layer in layers}, **kwargs)
     try:
         store.replay_tokens(trace.layers, trace.experts)

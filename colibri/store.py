@@ -167,6 +167,7 @@ class Store:
         read_advice: bool = True,
         policy: str = "lru",
         pin: Sequence[tuple[int, int]] = (),
+        warm: Sequence[tuple[int, int]] = (),
         replay_expert_nbytes: int | None = None,
     ) -> None:
         self.model = model
@@ -188,6 +189,7 @@ class Store:
             read_advice=read_advice,
             policy=policy,
             pin=pin,
+            warm=warm,
             replay_expert_nbytes=replay_expert_nbytes,
         )
         self._ops = self._handle.ops
@@ -595,6 +597,7 @@ def _create_handle(
     read_advice: bool,
     policy: str,
     pin: Sequence[tuple[int, int]],
+    warm: Sequence[tuple[int, int]],
     replay_expert_nbytes: int | None,
 ) -> Any:
     keys = list(model.keys())
@@ -637,6 +640,9 @@ def _create_handle(
     pinned = ffi.new("ColiExpertKey[]", list(pin)) if pin else ffi.NULL
     cfg.pinned = pinned
     cfg.n_pinned = len(pin)
+    warm_keys = ffi.new("ColiExpertKey[]", list(warm)) if warm else ffi.NULL
+    cfg.warm = warm_keys
+    cfg.n_warm = len(warm)
     cfg.replay = int(replay_expert_nbytes is not None)
     cfg.prefetch_workers = prefetch_workers
     cfg.prefetch_queue_depth = prefetch_queue_depth
@@ -734,7 +740,7 @@ def _policy(value: Any) -> str:
     return str(value)
 
 
-def _pins(value: Iterable[tuple[int, int]] | None) -> tuple[tuple[int, int], ...]:
+def _pins(value: Iterable[tuple[int, int]] | None, what: str = "pin") -> tuple[tuple[int, int], ...]:
     if value is None:
         return ()
     out: list[tuple[int, int]] = []
@@ -743,9 +749,10 @@ def _pins(value: Iterable[tuple[int, int]] | None) -> tuple[tuple[int, int], ...
             layer, expert = key
             layer, expert = operator.index(layer), operator.index(expert)
         except (TypeError, ValueError) as exc:
-            raise FormatError(f"pin takes (layer, expert) pairs of ints, not {key!r}") from exc
+            raise FormatError(f"{what} takes (layer, expert) pairs of ints, not {key!r}") from exc
         if not (0 <= layer <= _INT_MAX and 0 <= expert <= _INT_MAX):
-            raise FormatError(f"pinned expert {expert} of layer {layer} is not in the model")
+            adjective = "pinned" if what == "pin" else what
+            raise FormatError(f"{adjective} expert {expert} of layer {layer} is not in the model")
         out.append((layer, expert))
     return tuple(out)
 
@@ -766,11 +773,13 @@ def open_store(
     read_advice: bool = True,
     policy: str = "lru",
     pin: Iterable[tuple[int, int]] | None = None,
+    warm: Iterable[tuple[int, int]] | None = None,
     usage_file: Union[str, "os.PathLike[str]", None] = None,
     usage_half_life: float | None = _usage.DEFAULT_HALF_LIFE,
     usage_half_life_turns: float | None = None,
     usage_any_model: bool = False,
     pinned_bytes: int | None = None,
+    warm_start: bool = False,
 ) -> Store:
     """Open a model's routed experts as a leased, per-layer cache.
 
@@ -786,7 +795,11 @@ def open_store(
     cannot pin all its slots unless they hold all its experts), they load in
     the background after open (in open itself with no prefetch workers), and
     their hits count as ``persistent_hits``, all others as
-    ``transient_hits``.
+    ``transient_hits``. ``warm`` lists (layer, expert) pairs loaded the same
+    way into a layer's unpinned slots, but not pinned: a warm start, evicted
+    by the policy like any other expert once loaded (the last of a layer's
+    is the most recent when they load in order, as with no workers); a layer
+    takes at most its unpinned slots.
     ``prefetch_workers`` I/O threads serve ``prefetch`` (0 turns it off).
     ``slot_wait_timeout`` is how long (seconds; None = forever) a lookup waits
     when every slot of its layer is leased before CacheFullError.
@@ -823,7 +836,9 @@ def open_store(
     came before; ``usage_half_life_turns`` sessions, too) and is saved
     atomically on ``close()`` and ``store.save_usage()``. ``pinned_bytes``
     pins the history's hottest experts (at most half of a layer's slots),
-    up to that many bytes of the budget, beside any ``pin``.
+    up to that many bytes of the budget, beside any ``pin``. ``warm_start``
+    warms every layer's unpinned slots (after any ``warm``) with the
+    history's hottest experts that are not pinned, the hottest last.
     """
     if slots_per_layer is not None and capacity_bytes is not None:
         raise FormatError("give slots_per_layer or capacity_bytes, not both")
@@ -840,6 +855,7 @@ def open_store(
     _nanoseconds(slot_wait_timeout)  # refuse a bad timeout before reading any file
     policy = _policy(policy)
     pins = _pins(pin)
+    warms = _pins(warm, "warm")
     if slots_per_layer is not None and not isinstance(slots_per_layer, Mapping):
         slots_per_layer = _slots(slots_per_layer, ())
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
@@ -855,6 +871,10 @@ def open_store(
         if history is None:
             raise FormatError("pinned_bytes pins the hottest experts of a usage history: give usage_file")
         pins = _usage.pins_for_store(history, model, pinned_bytes, slots_per_layer, capacity_bytes, pins)
+    if warm_start:
+        if history is None:
+            raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
+        warms = _usage.warm_for_store(history, model, slots_per_layer, capacity_bytes, pins, warms)
     if direct_io == "auto":
         direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
         log.info("direct_io=auto: %s", why)
@@ -874,6 +894,7 @@ def open_store(
         read_advice=bool(read_advice),
         policy=policy,
         pin=pins,
+        warm=warms,
     )
     if direct_io is True and not store.direct_io:
         log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
@@ -889,6 +910,7 @@ def open_replay_store(
     expert_nbytes: int = 1,
     policy: str = "lru",
     pin: Iterable[tuple[int, int]] | None = None,
+    warm: Iterable[tuple[int, int]] | None = None,
     slot_wait_timeout: float | None = 5.0,
 ) -> Store:
     """A replay store: the C store of :func:`open_store`, for a model of
@@ -897,8 +919,9 @@ def open_replay_store(
     lookups, evictions and counters are those of a live store fed the same
     calls (``bytes_read`` counts what reads would bring), so
     :meth:`Store.replay_tokens` measures a budget, policy and pins on a
-    routing trace at millions of lookups a second. Pins are resident at
-    once. Its ``lease`` and ``lease_many`` raise LeaseError: there are no
+    routing trace at millions of lookups a second. Pins and ``warm``
+    experts (as in :func:`open_store`) are resident at once, the last warm
+    expert of a layer the most recent. Its ``lease`` and ``lease_many`` raise LeaseError: there are no
     bytes to lend.
     """
     if not isinstance(num_experts, Mapping) or not num_experts:
@@ -920,5 +943,6 @@ def open_replay_store(
         slot_wait_timeout=slot_wait_timeout,
         policy=_policy(policy),
         pin=_pins(pin),
+        warm=_pins(warm, "warm"),
         replay_expert_nbytes=expert_nbytes,
     )

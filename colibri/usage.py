@@ -389,6 +389,48 @@ class UsageTracker:
         self.usage.save(self.path)
 
 
+def _layer_slots(model: Any, slots_per_layer: int | Mapping[int, int] | None,
+                 capacity_bytes: int | None) -> dict[int, int]:
+    """Each layer's slots as the store will give them."""
+    layers = list(model.layers)
+    if isinstance(slots_per_layer, Mapping):
+        return {l: min(int(slots_per_layer[l]), model.num_experts(l)) for l in layers}
+    if slots_per_layer is not None:
+        return {l: min(int(slots_per_layer), model.num_experts(l)) for l in layers}
+    per_layer = int(capacity_bytes or 0) // max(len(layers), 1)
+    return {l: min(per_layer // int(model.expert_nbytes(l)), model.num_experts(l)) for l in layers}
+
+
+def warm_order(history: Usage, room: Mapping[int, int], skip: Iterable[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """Up to ``room[layer]`` of each layer's hottest experts in the history,
+    leaving out ``skip``, each layer's coldest first and hottest last (the
+    last one warmed is the most recent)."""
+    skipped = set(skip)
+    out: list[tuple[int, int]] = []
+    for layer in history.layers:
+        want = room.get(layer, 0)
+        if want <= 0:
+            continue
+        ranked = [k for k in history.hottest(want + sum(1 for l, _ in skipped if l == layer)) if k[0] == layer]
+        out += list(reversed([k for k in ranked if k not in skipped][:want]))
+    return out
+
+
+def warm_for_store(history: Usage, model: Any, slots_per_layer: int | Mapping[int, int] | None,
+                   capacity_bytes: int | None, pins: Iterable[tuple[int, int]],
+                   warm: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``warm`` plus, for every layer, the history's hottest experts that are
+    neither pinned nor in ``warm``, filling the layer's unpinned slots."""
+    explicit = list(warm)
+    pinned = list(pins)
+    slots = _layer_slots(model, slots_per_layer, capacity_bytes)
+    used: dict[int, int] = {}
+    for layer, _ in pinned + explicit:
+        used[layer] = used.get(layer, 0) + 1
+    room = {l: max(0, slots[l] - used.get(l, 0)) for l in slots}
+    return tuple(explicit + warm_order(history, room, pinned + explicit))
+
+
 def pins_for_store(history: Usage, model: Any, pinned_bytes: int, slots_per_layer: int | Mapping[int, int] | None,
                    capacity_bytes: int | None, pin: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """``pin`` plus the history's hottest experts up to ``pinned_bytes``
@@ -397,13 +439,7 @@ def pins_for_store(history: Usage, model: Any, pinned_bytes: int, slots_per_laye
     explicit = list(pin)
     layers = list(model.layers)
     nbytes = {l: int(model.expert_nbytes(l)) for l in layers}
-    if isinstance(slots_per_layer, Mapping):
-        slots = {l: min(int(slots_per_layer[l]), model.num_experts(l)) for l in layers}
-    elif slots_per_layer is not None:
-        slots = {l: min(int(slots_per_layer), model.num_experts(l)) for l in layers}
-    else:
-        per_layer = int(capacity_bytes or 0) // max(len(layers), 1)
-        slots = {l: min(per_layer // nbytes[l], model.num_experts(l)) for l in layers}
+    slots = _layer_slots(model, slots_per_layer, capacity_bytes)
     taken: dict[int, int] = {}
     for layer, _ in explicit:
         taken[layer] = taken.get(layer, 0) + 1

@@ -10,6 +10,7 @@
 #include "ls_internal.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -57,7 +58,7 @@ int coli_lru_layer_stats(ColiExpertStore *store, int layer, ColiExpertStoreStats
 }
 
 static void free_store(LsStore *s) {
-    atomic_store(&s->stopping, 1);       /* pin jobs end */
+    atomic_store(&s->stopping, 1);       /* preload jobs end */
     if (s->gate_ready) ls_set_hold(s, 0);   /* a held read would keep the pool from stopping */
     coli_pool_stop(&s->pool);
     for (int i = 0; i < s->n_layers; i++) {
@@ -74,7 +75,8 @@ static void free_store(LsStore *s) {
         free(L->slot_of);
         free(L->requests_of);
     }
-    free(s->pins);
+    free(s->preloads);
+    free(s->preload_gens);
     free(s->layers);
     free(s->by_id);
     coli_files_close(&s->files);
@@ -283,13 +285,61 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
     return COLI_OK;
 }
 
-/* Gives every pinned expert a slot of its layer, QUEUED for ls_load_pins. */
-static int build_pins(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+/* Gives each layer's last warm experts, as many as it has unpinned slots,
+ * a slot, QUEUED for ls_start_preloads. */
+static int build_warm(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+    int *skip = calloc((size_t)s->n_layers, sizeof(int));   /* per layer: its warm experts to leave out */
+    if (!skip) return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d layers", s->n_layers);
+    int rc = COLI_OK;
+    for (int i = 0; i < cfg->n_warm && rc == COLI_OK; i++) {
+        ColiExpertKey key = cfg->warm[i];
+        LsLayer *L = ls_find_layer(s, key.layer);
+        if (!L || !ls_find_entry(L, key.expert))
+            rc = coli_fail(err, n, COLI_ECONFIG, "warm expert %d of layer %d is not in the model",
+                           key.expert, key.layer);
+        else
+            skip[L - s->layers]++;
+    }
+    for (int i = 0; i < s->n_layers; i++) {
+        int room = s->layers[i].n_slots - s->layers[i].n_pinned;
+        skip[i] = skip[i] > room ? skip[i] - room : 0;
+    }
+    for (int i = 0; i < cfg->n_warm && rc == COLI_OK; i++) {
+        ColiExpertKey key = cfg->warm[i];
+        LsLayer *L = ls_find_layer(s, key.layer);
+        if (skip[L - s->layers] > 0) {
+            skip[L - s->layers]--;
+            continue;
+        }
+        if (L->slot_of[key.expert]) {
+            rc = coli_fail(err, n, COLI_ECONFIG, "expert %d of layer %d is %s", key.expert, key.layer,
+                           L->slot_of[key.expert]->pinned ? "both pinned and warm" : "warm twice");
+            break;
+        }
+        LsSlot *v = ls_victim(L);   /* EMPTY: empty slots go first, and one is left for each */
+        ls_slot_preload(s, L, v, ls_find_entry(L, key.expert), key.expert, false);
+        s->preload_gens[s->n_preloads] = v->generation;
+        s->preloads[s->n_preloads++] = v;
+    }
+    free(skip);
+    return rc;
+}
+
+/* Gives every pinned expert, then every warm one, a slot of its layer,
+ * QUEUED for ls_start_preloads. */
+static int build_preloads(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
     if (cfg->n_pinned < 0 || (cfg->n_pinned > 0 && !cfg->pinned))
         return coli_fail(err, n, COLI_ECONFIG, "config pins %d experts from a NULL list", cfg->n_pinned);
-    if (cfg->n_pinned == 0) return COLI_OK;
-    s->pins = calloc((size_t)cfg->n_pinned, sizeof(LsSlot *));
-    if (!s->pins) return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d pins", cfg->n_pinned);
+    if (cfg->n_warm < 0 || (cfg->n_warm > 0 && !cfg->warm))
+        return coli_fail(err, n, COLI_ECONFIG, "config warms %d experts from a NULL list", cfg->n_warm);
+    if (cfg->n_pinned > INT_MAX - cfg->n_warm)
+        return coli_fail(err, n, COLI_ECONFIG, "config preloads too many experts");
+    int total = cfg->n_pinned + cfg->n_warm;
+    if (total == 0) return COLI_OK;
+    s->preloads = calloc((size_t)total, sizeof(LsSlot *));
+    s->preload_gens = calloc((size_t)total, sizeof(uint64_t));
+    if (!s->preloads || !s->preload_gens)
+        return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d pinned and warm experts", total);
     for (int i = 0; i < cfg->n_pinned; i++) {
         ColiExpertKey key = cfg->pinned[i];
         LsLayer *L = ls_find_layer(s, key.layer);
@@ -303,8 +353,10 @@ static int build_pins(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n)
         if (L->n_pinned == L->n_slots)
             return coli_fail(err, n, COLI_ECONFIG, "layer %d pins more experts than its %d slots",
                              L->id, L->n_slots);
-        ls_slot_pin(s, L, ls_victim(L), e, key.expert);   /* every slot is EMPTY yet */
-        s->pins[s->n_pins++] = L->slot_of[key.expert];
+        ls_slot_preload(s, L, ls_victim(L), e, key.expert, true);   /* every slot is EMPTY yet */
+        LsSlot *v = L->slot_of[key.expert];
+        s->preload_gens[s->n_preloads] = v->generation;
+        s->preloads[s->n_preloads++] = v;
     }
     for (int i = 0; i < s->n_layers; i++) {
         LsLayer *L = &s->layers[i];
@@ -315,7 +367,7 @@ static int build_pins(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n)
                              "layer %d pins all its %d slots, leaving none for its other %d experts",
                              L->id, L->n_slots, present - L->n_pinned);
     }
-    return COLI_OK;
+    return cfg->n_warm > 0 ? build_warm(s, cfg, err, n) : COLI_OK;
 }
 
 int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char *err, size_t n) {
@@ -348,7 +400,7 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     }
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
-    if (rc == COLI_OK) rc = build_pins(s, cfg, err, n);
+    if (rc == COLI_OK) rc = build_preloads(s, cfg, err, n);
     if (rc == COLI_OK)
         rc = coli_pool_start(&s->pool, s->replay ? 0 : cfg->prefetch_workers,
                              cfg->prefetch_queue_depth ? cfg->prefetch_queue_depth : LS_DEFAULT_QUEUE_DEPTH,
@@ -359,7 +411,7 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
     }
     s->base.ops = &ls_ops;
     s->base.state = s;
-    ls_load_pins(s);
+    ls_start_preloads(s);
     *out = &s->base;
     return COLI_OK;
 }
@@ -381,7 +433,7 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
                                   "cannot close the store: %llu calls are in progress in other threads",
                                   (unsigned long long)calls);
     }
-    atomic_store(&s->stopping, 1);   /* pin jobs end after the pin they load */
+    atomic_store(&s->stopping, 1);   /* preload jobs end after the expert they load */
     ls_set_hold(s, 0);
     coli_pool_stop(&s->pool);     /* queued prefetches are dropped, running reads end first */
     for (int i = 0; i < s->n_layers; i++) {

@@ -127,6 +127,9 @@ typedef struct {
     int n_pinned;
     int replay;                     /* nonzero: a replay store (see below) */
     double policy_param;            /* the policy's tuning constant; 0 = its default */
+    /* Appended for a warm start. */
+    const ColiExpertKey *warm;      /* experts loaded at create into free slots, not pinned (see below) */
+    int n_warm;
 } ColiLruConfig;
 
 #define COLI_DEFAULT_READ_CHUNK (256u << 10)
@@ -154,12 +157,24 @@ enum {
  * persistent_hits, every other hit as a transient hit. A pin whose load
  * fails is dropped: its slot joins the layer's evictable slots.
  *
+ * WARM START. Each warm expert takes one of its layer's unpinned slots and
+ * is loaded after create returns, after the pins and in the same way, but
+ * it is not pinned: once loaded it is an ordinary resident expert, evicted
+ * by the layer's policy like any other. Loads that end later count as more
+ * recently used, so with no workers (and in a replay store) the last warm
+ * expert of a layer is its most recent. A layer warms at most as many
+ * experts as it has unpinned slots: the last ones of its list, as if each
+ * had been looked up in turn. An expert listed twice, or both pinned and
+ * warm, is an error. A lookup may take a warm load over (its
+ * own expert) or take its slot (another expert) before it starts. Loading a
+ * warm expert counts a load, not a request; hits on it are transient hits.
+ *
  * REPLAY. A replay store opens no file (files may be NULL), reads nothing
  * and allocates no slot memory, and starts no worker; otherwise it is the
  * same store: lookups, leases, evictions and every counter behave as in a
  * live store fed the same calls (a load counts the bytes it would read),
- * but views carry no bytes (data and scales are NULL). Pins are resident
- * when create returns. */
+ * but views carry no bytes (data and scales are NULL). Pins and warm
+ * experts are resident when create returns. */
 
 /* Validates config, opens its files and allocates every slot. On success
  * *out is a store owned by the caller (free it with its destroy op) and 0 is

@@ -7,7 +7,7 @@
  *   ls_policy.c     the eviction policies behind the seam (lru, lfu, lrfu, cooc)
  *   ls_lookup.c     lookup, lookup_resident, lookup_many, release, replay
  *   ls_prefetch.c   prefetch, the I/O workers' jobs (prefetches, batch
- *                   reads, pins), pacing, retire
+ *                   reads, pins and warm experts), pacing, retire
  *
  * Private names start with ls_ (functions) or Ls (types); public ones with
  * coli_ / Coli. Nothing here is seen by cffi.
@@ -44,7 +44,7 @@
 #define LS_MIN_PREFETCH_CHUNK (64ull << 10)
 #define LS_PAUSE_LIMIT_NS 50000000ll     /* longest a prefetch chunk waits for demand reads */
 #define LS_DEMAND_JOB (1ull << 63)       /* tag bit of a batch read job; the rest is the generation */
-#define LS_PIN_JOB (1ull << 62)          /* tag of a job that loads pins until none is left */
+#define LS_PRELOAD_JOB (1ull << 62)      /* tag of a job that loads preloads until none is left */
 
 typedef enum { LS_EMPTY, LS_QUEUED, LS_READING, LS_RESIDENT } LsSlotState;
 
@@ -207,10 +207,11 @@ typedef struct {
     bool gate_ready;
     _Atomic int hold_prefetch;        /* test hook: prefetch reads wait before each chunk */
     _Atomic uint32_t held;            /* prefetch reads waiting on that hook now */
-    LsSlot **pins;                    /* the slots given to pins at create, n_pins */
-    int n_pins;
-    _Atomic int next_pin;             /* the next of pins a pin job looks at */
-    _Atomic int stopping;             /* close or destroy stops the pool: pin jobs end */
+    LsSlot **preloads;                /* the slots given to pins, then warm experts, at create */
+    uint64_t *preload_gens;           /* each one's generation then: a changed one was taken */
+    int n_preloads;
+    _Atomic int next_preload;         /* the next of preloads a preload job looks at */
+    _Atomic int stopping;             /* close or destroy stops the pool: preload jobs end */
 } LsStore;
 
 /* ---- small helpers (every file) ------------------------------------- */
@@ -311,8 +312,9 @@ void ls_demand_end(LsStore *s);
 void ls_demand_join(LsStore *s, LsSlot *v);
 /* The test hook's hold on prefetch reads (lifted by close and destroy). */
 void ls_set_hold(LsStore *s, int hold);
-/* Loads the pins (LS_PIN_JOB jobs, or here with no workers). */
-void ls_load_pins(LsStore *s);
+/* Loads the pins and warm experts (LS_PRELOAD_JOB jobs, or here with no
+ * workers). */
+void ls_start_preloads(LsStore *s);
 /* The pool's job function: batch reads (LS_DEMAND_JOB) and prefetches. */
 void ls_run_job(void *ctx, ColiJob job);
 

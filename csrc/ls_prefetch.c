@@ -95,12 +95,12 @@ static void run_batch_read(LsStore *s, LsSlot *v, uint64_t generation) {
     pthread_mutex_unlock(&L->mu);
 }
 
-/* Loads pinned slot v, unless a lookup took its load over (or it was
- * dropped) since create pinned it. Paced like a prefetch. */
-static void load_pin(LsStore *s, LsSlot *v) {
+/* Loads preloaded slot v, unless a lookup took its load or its slot over
+ * since create gave it generation gen. Paced like a prefetch. */
+static void load_preload(LsStore *s, LsSlot *v, uint64_t gen) {
     LsLayer *L = v->layer;
     pthread_mutex_lock(&L->mu);
-    if (!v->pinned || v->state != LS_QUEUED) {
+    if (v->state != LS_QUEUED || v->generation != gen) {
         pthread_mutex_unlock(&L->mu);
         return;
     }
@@ -117,28 +117,29 @@ static void load_pin(LsStore *s, LsSlot *v) {
     pthread_mutex_unlock(&L->mu);
 }
 
-/* A pin job: loads the next pin not taken yet, until none is left or the
- * store closes. */
-static void run_pin_job(LsStore *s) {
+/* A preload job: loads the next preload not taken yet, until none is left
+ * or the store closes. */
+static void run_preload_job(LsStore *s) {
     while (!atomic_load(&s->stopping)) {
-        int i = atomic_fetch_add(&s->next_pin, 1);
-        if (i >= s->n_pins) return;
-        load_pin(s, s->pins[i]);
+        int i = atomic_fetch_add(&s->next_preload, 1);
+        if (i >= s->n_preloads) return;
+        load_preload(s, s->preloads[i], s->preload_gens[i]);
     }
 }
 
-void ls_load_pins(LsStore *s) {
-    if (s->n_pins == 0) return;
-    uint32_t jobs = s->pool.n_threads < (uint32_t)s->n_pins ? s->pool.n_threads : (uint32_t)s->n_pins;
+void ls_start_preloads(LsStore *s) {
+    if (s->n_preloads == 0) return;
+    uint32_t n = (uint32_t)s->n_preloads;
+    uint32_t jobs = s->pool.n_threads < n ? s->pool.n_threads : n;
     uint32_t posted = 0;
     for (uint32_t j = 0; j < jobs; j++)
-        posted += coli_pool_post(&s->pool, (ColiJob){s, LS_PIN_JOB}, false);
-    if (posted == 0) run_pin_job(s);   /* no workers (or a replay store): here and now */
+        posted += coli_pool_post(&s->pool, (ColiJob){s, LS_PRELOAD_JOB}, false);
+    if (posted == 0) run_preload_job(s);   /* no workers (or a replay store): here and now */
 }
 
 void ls_run_job(void *ctx, ColiJob job) {
-    if (job.tag == LS_PIN_JOB) {
-        run_pin_job(ctx);
+    if (job.tag == LS_PRELOAD_JOB) {
+        run_preload_job(ctx);
         return;
     }
     if (job.tag & LS_DEMAND_JOB) {

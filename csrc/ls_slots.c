@@ -140,13 +140,13 @@ LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert, int rank) 
     return v;
 }
 
-void ls_slot_pin(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert) {
+void ls_slot_preload(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert, bool pin) {
     assert(v->state == LS_EMPTY && v->evictable);
     ls_slot_repurpose(s, L, v, e, expert, LS_QUEUED, ls_next_generation(s));
     if (L->policy->assign) L->policy->assign(L, v, -1);
     v->prefetched = false;
-    v->pinned = true;
-    L->n_pinned++;
+    v->pinned = pin;
+    L->n_pinned += pin;
 }
 
 void ls_slot_demote(LsLayer *L, LsSlot *v) {

@@ -31,7 +31,7 @@
  *   lease        RESIDENT                          RESIDENT, one lease more (a hit)
  *   unlease      RESIDENT leased                   RESIDENT, one lease fewer
  *   demote       RESIDENT unleased, unhit prefetch RESIDENT, evicted first
- *   pin          EMPTY (at create)                 QUEUED, pinned: never evictable
+ *   preload      EMPTY (at create)                 QUEUED: a pin (never evictable) or a warm expert
  *
  * A pinned slot goes QUEUED -> READING -> RESIDENT like a prefetch and then
  * stays: lease and unlease never put it in the evictable set. A failed
@@ -168,9 +168,10 @@ void ls_slot_finish_load(LsStore *s, LsLayer *L, LsSlot *v, int rc, uint64_t nre
  * load fewer (wait_idle) and one free slot more (lookups). */
 void ls_slot_empty(LsStore *s, LsLayer *L, LsSlot *v);
 
-/* pin: gives EMPTY slot v to entry e's expert for good, QUEUED for a pin
- * job (or loaded at once by create). Counts a load started, no request. */
-void ls_slot_pin(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert);
+/* preload: gives EMPTY slot v to entry e's expert, for good with pin,
+ * QUEUED for a preload job (or loaded at once by create). Counts a load
+ * started, no request. */
+void ls_slot_preload(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert, bool pin);
 
 /* demote: resident v, unleased and never hit since its prefetch, goes to
  * the cold end of the set, to be evicted first. */
