@@ -144,7 +144,7 @@ def dequantize(lease: Any) -> dict[str, np.ndarray]:
         if name not in parts:
             continue  # up of a fused gate_up
         decoded[name] = _decode(info, role, parts[name], parts.get(f"{name}_scale"),
-                                parts.get(f"{role}_zero"))
+                                parts.get(f"{name}_zero"))
     if info.transposed:
         decoded = {name: w.T for name, w in decoded.items()}
     if info.fused:

@@ -32,7 +32,12 @@ transformers' FP8 loader in dequantize mode, subclassed the same way: the
 non-expert weights are dequantized at load, each routed expert when leased.
 gpt-oss MXFP4 checkpoints (``quant_method: mxfp4``) quantize only the routed
 experts, so the rest loads as a float checkpoint and each expert is
-dequantized when leased.
+dequantized when leased. compressed-tensors checkpoints whose routed experts
+are ``pack-quantized`` int4 load through transformers' compressed-tensors
+loader in its dequantize mode (whatever else the checkpoint quantizes is
+dequantized at load by compressed-tensors' own code), minus the routed
+experts, each dequantized when leased. :data:`ACCEPTED_QUANT_METHODS` is the
+table of the ``quant_method`` values accepted.
 
 Supported: transformers 5.x with the experts interface (tested on 5.24), and
 the architectures in :data:`SUPPORTED_MODEL_TYPES`. See docs/hf.md.
@@ -59,6 +64,8 @@ from colibri.torch_interop import as_torch, dequantize_torch
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "ACCEPTED_QUANT_METHODS",
+    "QuantMethod",
     "UnsupportedModelError",
     "LayerProgress",
     "Runtime",
@@ -94,6 +101,7 @@ SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 
 IMPLEMENTATION = "colibri"
 FP8_IMPLEMENTATION = "colibri_fp8"
+CT_IMPLEMENTATION = "colibri_compressed_tensors"
 _EXPERTS_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias",
                   "gate_up_proj_scale_inv", "down_proj_scale_inv")
@@ -107,6 +115,119 @@ class UnsupportedModelError(FormatError):
 
 def _supported_list() -> str:
     return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+
+
+@dataclass(frozen=True)
+class QuantMethod:
+    """How :func:`from_pretrained` loads checkpoints of one config.json
+    ``quantization_config.quant_method``.
+
+    ``check(path, config)`` raises :class:`UnsupportedModelError` for a
+    variant colibri cannot serve; it runs before the store opens or
+    transformers reads anything. ``loader`` names the loading hook:
+    ``"colibri"`` (the non-expert weights are a float checkpoint; the
+    checkpoint's ``quantization_config`` is dropped from the model config),
+    ``"colibri_fp8"`` (transformers' FP8 loader dequantizing at load) or
+    ``"colibri_compressed_tensors"`` (transformers' compressed-tensors loader
+    dequantizing at load). ``summary`` says what is accepted, for errors and docs.
+    """
+
+    summary: str
+    check: Callable[[str, dict[str, Any]], None]
+    loader: str
+
+
+def _check_nothing(path: str, cfg: dict[str, Any]) -> None:
+    del path, cfg
+
+
+def _check_mxfp4(path: str, cfg: dict[str, Any]) -> None:
+    if cfg.get("model_type") != "gpt_oss":
+        raise UnsupportedModelError(
+            f"{path}: quantization 'mxfp4' is only supported for 'gpt_oss', not {cfg.get('model_type')!r}")
+
+
+def _ct_experts_group(groups: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The config group that quantizes the routed experts: the one whose
+    ``re:`` targets name the experts, else the first with a class-name
+    target (``Linear``), else the first (the rule transformers applies)."""
+    named = list(groups.items())
+    for name, group in named:
+        targets = group.get("targets") or []
+        if any(isinstance(t, str) and t.startswith("re:") and "experts" in t for t in targets):
+            return name, group
+    for name, group in named:
+        targets = group.get("targets") or []
+        if any(isinstance(t, str) and not t.startswith("re:") for t in targets):
+            return name, group
+    return named[0]
+
+
+#: The compressed-tensors weight strategies whose scales colibri reads (one per group of columns).
+CT_STRATEGIES = ("group", "channel")
+
+
+def _check_compressed_tensors(path: str, cfg: dict[str, Any]) -> None:
+    quant = cfg["quantization_config"]
+    where = f"{path}: compressed-tensors quantization_config"
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise UnsupportedModelError(f"{where} has no config_groups")
+    name, group = _ct_experts_group(groups)
+    where = f"{where} group {name!r} (the routed experts' group)"
+    fmt = group.get("format") or quant.get("format")
+    if fmt != "pack-quantized":
+        raise UnsupportedModelError(
+            f"{where}: format {fmt!r} is not supported; colibri.hf serves routed experts in "
+            "'pack-quantized' int4")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise UnsupportedModelError(f"{where} quantizes no weights")
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
+    if bits != 4 or kind != "int":
+        raise UnsupportedModelError(
+            f"{where}: {bits}-bit {kind} weights are not supported; colibri reads 4-bit int "
+            "pack-quantized experts")
+    if strategy not in CT_STRATEGIES:
+        raise UnsupportedModelError(
+            f"{where}: weight strategy {strategy!r} is not supported; colibri reads "
+            + " and ".join(repr(s) for s in CT_STRATEGIES) + " scales")
+    if weights.get("actorder") not in (None, False, "static"):
+        raise UnsupportedModelError(
+            f"{where}: activation ordering {weights.get('actorder')!r} (weight_g_idx) is not supported")
+    if weights.get("dynamic") not in (None, False):
+        raise UnsupportedModelError(f"{where}: dynamic weight quantization is not supported")
+    if group.get("input_activations") is not None:
+        raise UnsupportedModelError(
+            f"{where}: quantized input activations are not supported (colibri computes the "
+            "experts on float inputs: weight-only schemes such as W4A16)")
+
+
+#: config.json ``quantization_config.quant_method`` values :func:`from_pretrained`
+#: accepts (None: a float checkpoint), and how each loads. Another method
+#: (a format the store reads) is accepted by adding its entry here.
+ACCEPTED_QUANT_METHODS: dict[str | None, QuantMethod] = {
+    None: QuantMethod("float checkpoints (f32, bf16, f16)", _check_nothing, IMPLEMENTATION),
+    "fp8": QuantMethod("block-scaled FP8 (weight_scale_inv, as DeepSeek-V3 ships)", _check_nothing,
+                       FP8_IMPLEMENTATION),
+    "mxfp4": QuantMethod("gpt-oss's MXFP4 experts", _check_mxfp4, IMPLEMENTATION),
+    "compressed-tensors": QuantMethod(
+        "compressed-tensors with pack-quantized int4 routed experts (group or channel scales, "
+        "symmetric or with zero points)", _check_compressed_tensors, CT_IMPLEMENTATION),
+}
+
+
+def _check_quantization(path: str, cfg: dict[str, Any]) -> str | None:
+    """The checkpoint's quant_method, after its entry's check; refuses the others."""
+    quant = cfg.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    accepted = ACCEPTED_QUANT_METHODS.get(method) if isinstance(method, (str, type(None))) else None
+    if accepted is None:
+        raise UnsupportedModelError(
+            f"{path}: quantization {method!r} is not supported for {cfg['model_type']!r}; colibri.hf "
+            "runs " + "; ".join(q.summary for q in ACCEPTED_QUANT_METHODS.values()))
+    accepted.check(path, cfg)
+    return method
 
 
 def _transformers() -> Any:
@@ -361,9 +482,9 @@ _registered = False
 _register_lock = threading.Lock()
 
 
-def _register() -> tuple[Any, Any]:
-    """Register the experts implementation and the loading hook; return the
-    loading config class and the quantizer class."""
+def _register() -> dict[str, Any]:
+    """Register the experts implementation and the loading hooks; return
+    transformers' table of loading config classes (by quant_method)."""
     global _registered
     transformers = _transformers()
     from transformers.integrations.moe import ExpertsInterface
@@ -433,15 +554,60 @@ def _register() -> tuple[Any, Any]:
                     _drop_routed_experts(model)
                     return model
 
-            for name, config_cls, loader_cls in (
-                    (IMPLEMENTATION, ColibriLoadConfig, ColibriLoader),
-                    (FP8_IMPLEMENTATION, ColibriFP8LoadConfig, ColibriFP8Loader)):
+            loaders: list[tuple[str, Any, Any]] = [
+                (IMPLEMENTATION, ColibriLoadConfig, ColibriLoader),
+                (FP8_IMPLEMENTATION, ColibriFP8LoadConfig, ColibriFP8Loader)]
+            ct = _compressed_tensors_loader()
+            if ct is not None:
+                loaders.append((CT_IMPLEMENTATION, *ct))
+            for name, config_cls, loader_cls in loaders:
                 if name not in AUTO_QUANTIZATION_CONFIG_MAPPING:
                     register_quantization_config(name)(config_cls)
                 if name not in AUTO_QUANTIZER_MAPPING:
                     register_quantizer(name)(loader_cls)
             _registered = True
-    return AUTO_QUANTIZATION_CONFIG_MAPPING[IMPLEMENTATION], AUTO_QUANTIZATION_CONFIG_MAPPING[FP8_IMPLEMENTATION]
+    return AUTO_QUANTIZATION_CONFIG_MAPPING
+
+
+def _compressed_tensors_loader() -> tuple[Any, Any] | None:
+    """transformers' compressed-tensors config and loader, subclassed: dequantize
+    mode, minus the routed experts. None when compressed-tensors is not installed."""
+    try:
+        import compressed_tensors  # noqa: F401
+        from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+    except ImportError:
+        return None
+
+    class ColibriCTLoadConfig(CompressedTensorsConfig):
+        """A compressed-tensors checkpoint loaded by colibri.hf: transformers
+        dequantizes whatever non-expert weights it quantizes on load, with
+        compressed-tensors' own code; the routed experts stay in the store."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs["quant_method"] = "compressed-tensors"
+            kwargs["dequantize"] = True
+            kwargs.pop("run_compressed", None)
+            kwargs.pop("use_optimized_inference", None)
+            super().__init__(**kwargs)
+            self.quant_method = CT_IMPLEMENTATION  # type: ignore[assignment]
+
+    class ColibriCTLoader(CompressedTensorsHfQuantizer):
+        """transformers' compressed-tensors loader in dequantize mode, minus the routed experts."""
+
+        def __init__(self, quantization_config: Any, **kwargs: Any) -> None:
+            kwargs["pre_quantized"] = True      # the checkpoint is compressed
+            super().__init__(quantization_config, **kwargs)
+
+        def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+            super()._process_model_before_weight_loading(model, **kwargs)
+            _drop_routed_experts(model)
+            return model
+
+        def is_serializable(self) -> bool:
+            return False
+
+    return ColibriCTLoadConfig, ColibriCTLoader
 
 
 def _drop_routed_experts(model: Any) -> None:
@@ -519,13 +685,13 @@ def from_pretrained(
     if "layout" in store_options:
         raise FormatError("colibri.hf chooses the layout from the checkpoint; do not pass layout")
     cfg = _read_config(path)
-    quant = cfg.get("quantization_config")
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method not in (None, "fp8", "mxfp4") or (method == "mxfp4" and cfg["model_type"] != "gpt_oss"):
+    method = _check_quantization(path, cfg)
+    loader = ACCEPTED_QUANT_METHODS[method].loader
+    configs = _register()
+    if loader not in configs:
         raise UnsupportedModelError(
-            f"{path}: quantization {method!r} is not supported for {cfg['model_type']!r} "
-            "(colibri.hf runs float and block-scaled FP8 checkpoints, and gpt-oss's MXFP4)")
-    config_cls, fp8_config_cls = _register()
+            f"{path}: loading {method!r} checkpoints needs the {method} package "
+            f"(pip install {method}), which transformers' {method} loader imports")
     import torch
     import transformers
 
@@ -540,20 +706,21 @@ def from_pretrained(
     store = open_store(path, **options)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        load_config = config_cls()
         quant_cfg = getattr(config, "quantization_config", None)
-        if method == "mxfp4":
-            # gpt-oss MXFP4: only the routed experts are quantized (transformers
-            # converts nothing else); they are dequantized per lease by colibri
-            # and everything else is a float checkpoint.
-            del config.quantization_config
-        elif quant_cfg is not None:
-            # Block-scaled FP8: the experts are dequantized per lease by colibri,
-            # everything else by transformers' FP8 loader at load time.
-            fp8 = dict(quant_cfg if isinstance(quant_cfg, dict) else quant_cfg.to_dict())
-            fp8.pop("quant_method", None)
-            fp8.pop("dequantize", None)
-            load_config = fp8_config_cls(**fp8)
+        if loader == IMPLEMENTATION:
+            # A float checkpoint, or gpt-oss MXFP4 where only the routed experts
+            # are quantized (transformers converts nothing else): they are
+            # dequantized per lease by colibri, everything else is float.
+            load_config = configs[IMPLEMENTATION]()
+        else:
+            # FP8 or compressed-tensors: the experts are dequantized per lease by
+            # colibri, everything else by transformers' own loader at load time.
+            assert quant_cfg is not None
+            quant_options = dict(quant_cfg if isinstance(quant_cfg, dict) else quant_cfg.to_dict())
+            for key in ("quant_method", "dequantize"):
+                quant_options.pop(key, None)
+            load_config = configs[loader](**quant_options)
+        if quant_cfg is not None:
             del config.quantization_config
         kwargs: dict[str, Any] = {"config": config, "experts_implementation": IMPLEMENTATION,
                                   "quantization_config": load_config}

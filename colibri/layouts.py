@@ -259,7 +259,7 @@ class ExpertTensors:
       ``group_size`` the values per scale along a row (4-bit schemes).
     * ``extras``: ``(name, TensorInfo)`` of the parts beyond data and scales,
       named ``gate_bias``, ``up_bias``, ``gate_up_bias``, ``down_bias``,
-      ``gate_zero``, ``up_zero``, ``down_zero``.
+      ``gate_zero``, ``up_zero``, ``gate_up_zero``, ``down_zero``.
     """
 
     gate: TensorInfo
@@ -437,7 +437,11 @@ class StackedLayout:
     ``layer`` and ``role``; ``roles`` maps the role text to ``"gate_up"``,
     ``"gate"``, ``"up"`` or ``"down"``. A role tensor ``T`` may come with
     ``T_bias`` (one bias row per expert), or be MXFP4 as ``T_blocks`` and
-    ``T_scales`` instead of ``T``. ``fused`` says how a gate_up holds gate
+    ``T_scales`` instead of ``T``, or compressed-tensors pack-quantized int4
+    as ``T.weight_packed``, ``T.weight_scale``, ``T.weight_shape`` and
+    optionally ``T.weight_zero_point``, each with the experts stacked along
+    the first dimension (llm-compressor's compressed 3-D MoE repack writes
+    these names). ``fused`` says how a gate_up holds gate
     and up (:data:`INTERLEAVED` or :data:`CONCATENATED`). The orientation
     ((out, in) as Mixtral, or (in, out)) is read from the shapes.
     """
@@ -447,7 +451,8 @@ class StackedLayout:
     roles: Mapping[str, str]
     fused: str = CONCATENATED
 
-    SUFFIXES = ("_bias", "_blocks", "_scales")
+    SUFFIXES = ("_bias", "_blocks", "_scales", ".weight_packed", ".weight_scale", ".weight_shape",
+                ".weight_zero_point")
 
     def __post_init__(self) -> None:
         pattern = re.compile(self.pattern) if isinstance(self.pattern, str) else self.pattern
@@ -483,7 +488,7 @@ class StackedLayout:
 
     def match(self, name: str) -> tuple[int, str, str] | None:
         """``(layer, role, suffix)`` for a role tensor or one of its known
-        companions (suffix ``""``, ``_bias``, ``_blocks`` or ``_scales``)."""
+        companions (suffix ``""`` or one of :attr:`SUFFIXES`)."""
         hit = self.match_base(name)
         if hit is not None:
             return hit[0], hit[1], ""
@@ -819,23 +824,33 @@ def _stacked_experts(files: tuple[str, ...], tensors: Mapping[str, TensorInfo],
     bases = {parts[key].name[: len(parts[key].name) - len(key)]
              for roles in found.values() for parts in roles.values() for key in parts}
     for name, info in tensors.items():
-        tail = name.rfind(".") + 1
-        cut = name.find("_", tail)
+        if chosen.match(name) is not None:
+            continue
+        tail = name.rfind(".")
+        cuts = [tail] if tail > 0 else []
+        cut = name.find("_", tail + 1)
         while cut != -1:
-            if name[:cut] in bases and chosen.match(name) is None:
+            cuts.append(cut)
+            cut = name.find("_", cut + 1)
+        for cut in cuts:
+            if name[:cut] in bases:
+                if name.endswith(".weight_g_idx"):
+                    raise FormatError(f"tensor {name!r} ({info.path}): activation ordering (g_idx) "
+                                      "is not supported")
                 raise FormatError(
                     f"tensor {name!r} ({info.path}) accompanies expert tensor {name[:cut]!r}, "
                     f"but layout {chosen.name!r} only knows the suffixes "
                     + ", ".join(StackedLayout.SUFFIXES))
-            cut = name.find("_", cut + 1)
+    config = _quant_config(files) if any(".weight_packed" in parts for roles in found.values()
+                                         for parts in roles.values()) else {}
     result: dict[int, Mapping[int, ExpertTensors]] = {}
     for layer in sorted(found):
-        result[layer] = _stacked_layer(layer, found[layer], chosen)
+        result[layer] = _stacked_layer(layer, found[layer], chosen, config)
     return ModelExperts(files=files, layout=chosen.name, experts=MappingProxyType(result))
 
 
 def _stacked_layer(layer: int, roles: dict[str, dict[str, TensorInfo]],
-                   chosen: StackedLayout) -> Mapping[int, ExpertTensors]:
+                   chosen: StackedLayout, config: Mapping[str, object]) -> Mapping[int, ExpertTensors]:
     where = f"layer {layer}"
     fused = "gate_up" in roles
     data_roles = ["gate_up", "down"] if fused else ["gate", "up", "down"]
@@ -861,9 +876,30 @@ def _stacked_layer(layer: int, roles: dict[str, dict[str, TensorInfo]],
             raise FormatError(f"{where}: {info.name!r} stacks {info.shape[0]} experts but "
                               f"{count_from!r} stacks {count}")
 
+    groups: dict[str, int] = {}
     for role in data_roles:
         parts = roles[role]
-        if "_blocks" in parts or "_scales" in parts:
+        int4_parts = [key for key in parts if key.startswith(".weight_")]
+        if int4_parts:
+            for other in ("", "_blocks", "_scales"):
+                if other in parts:
+                    raise FormatError(f"{where}: {parts[other].name!r} and the pack-quantized "
+                                      f"{parts[int4_parts[0]].name!r} are both the {role} tensor")
+            for key in (".weight_packed", ".weight_scale", ".weight_shape"):
+                if key not in parts:
+                    have = ".weight_packed" if ".weight_packed" in parts else int4_parts[0]
+                    seen = parts[have]
+                    base = seen.name[: len(seen.name) - len(have)]
+                    raise FormatError(f"{where}: pack-quantized {role} {seen.name!r} has no "
+                                      f"{base + key!r}")
+            experts_of(parts[".weight_packed"], 3)
+            for key in (".weight_scale", ".weight_zero_point"):
+                if key in parts:
+                    experts_of(parts[key], 3)
+            experts_of(parts[".weight_shape"], 2)
+            logical[role], groups[role] = _stacked_int4_role(where, role, parts, config)
+            schemes[role] = INT4
+        elif "_blocks" in parts or "_scales" in parts:
             blocks, scales = parts.get("_blocks"), parts.get("_scales")
             if blocks is None or scales is None:
                 present = blocks or scales
@@ -913,8 +949,11 @@ def _stacked_layer(layer: int, roles: dict[str, dict[str, TensorInfo]],
             f"{names['down']!r} {list(down)} per expert fit neither "
             + ("gate_up (2I, H) and down (H, I) nor gate_up (H, 2I) and down (I, H)" if fused
                else "gate (I, H) and down (H, I) nor gate (H, I) and down (I, H)"))
-    if scheme == MXFP4 and transposed:
-        raise FormatError(f"{where}: MXFP4 experts must be stored (out, in)")
+    if scheme in (MXFP4, INT4) and transposed:
+        raise FormatError(f"{where}: {scheme} experts must be stored (out, in)")
+    if len(set(groups.values())) > 1:
+        raise FormatError(f"{where}: the roles use different group sizes "
+                          + ", ".join(f"{r} {g}" for r, g in groups.items()))
     bias_len = {"gate_up": 2 * inter, "gate": inter, "up": inter, "down": hidden}
     for role, parts in roles.items():
         bias = parts.get("_bias")
@@ -926,25 +965,107 @@ def _stacked_layer(layer: int, roles: dict[str, dict[str, TensorInfo]],
                               f"expected a float [experts, {bias_len[role]}]")
     assert count is not None
     layer_experts: dict[int, ExpertTensors] = {}
-    key = "_blocks" if scheme == MXFP4 else ""
+    key = {MXFP4: "_blocks", INT4: ".weight_packed"}.get(scheme, "")
+    scale_key = {MXFP4: "_scales", INT4: ".weight_scale"}.get(scheme)
     for e in range(count):
         def data_of(role: str) -> TensorInfo:
             return _slice(roles[role][key], e, count)
 
         def scale_of(role: str) -> TensorInfo | None:
-            return _slice(roles[role]["_scales"], e, count) if scheme == MXFP4 else None
+            return _slice(roles[role][scale_key], e, count) if scale_key else None
 
         first_role = data_roles[0]
         extras = tuple((f"{role}_bias", _slice(roles[role]["_bias"], e, count))
                        for role in (*data_roles[:-1], "down") if "_bias" in roles[role])
+        extras += tuple((f"{role}_zero", _slice(roles[role][".weight_zero_point"], e, count))
+                        for role in data_roles if ".weight_zero_point" in roles[role])
         layer_experts[e] = ExpertTensors(
             gate=data_of(first_role), up=None if fused else data_of("up"), down=data_of("down"),
             gate_scale=scale_of(first_role), up_scale=None if fused else scale_of("up"),
             down_scale=scale_of("down"), extras=extras, scheme=scheme,
             fused=chosen.fused if fused else None, transposed=transposed,
             shapes=(logical[first_role], None if fused else logical["up"], logical["down"]),
-            group_size=32 if scheme == MXFP4 else 0)
+            group_size=32 if scheme == MXFP4 else groups.get("down", 0))
     return MappingProxyType(layer_experts)
+
+
+def _stacked_shapes(info: TensorInfo) -> np.ndarray:
+    """The (experts, k) values of a stacked ``weight_shape`` tensor, read from its file."""
+    if info.dtype not in ("I32", "I64") or len(info.shape) != 2 or info.nbytes > (1 << 20):
+        raise FormatError(f"tensor {info.name!r} ({info.path}) must be an I32 or I64 "
+                          f"[experts, 2 or 4] tensor, not {info.dtype}{list(info.shape)}")
+    dt = _dtypes.lookup(info.dtype)
+    assert dt is not None and dt.numpy is not None
+    try:
+        with open(info.path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+    except OSError as exc:
+        raise FormatError(f"cannot read {info.name!r} from {info.path}: {exc}") from None
+    if len(raw) != info.nbytes:
+        raise FormatError(f"{info.path} ends inside tensor {info.name!r}")
+    return np.frombuffer(raw, dtype=dt.numpy.newbyteorder("<")).reshape(info.shape)
+
+
+def _stacked_int4_role(where: str, role: str, parts: dict[str, TensorInfo],
+                       config: Mapping[str, object]) -> tuple[tuple[int, int], int]:
+    """Validates one stacked pack-quantized role; returns the (rows, columns)
+    of one expert's weight and its group size.
+
+    ``weight_shape`` holds one row per expert: ``[rows, columns]``, or for a
+    fused gate_up ``[I, H, I, H]`` (gate's shape, then up's, as stacking and
+    concatenating the per-expert shapes gives) or ``[2I, H]``."""
+    packed, scale, shape = parts[".weight_packed"], parts[".weight_scale"], parts[".weight_shape"]
+    if packed.dtype != "I32":
+        raise FormatError(f"{where}: {packed.name!r} is {packed.dtype}{list(packed.shape)}; a "
+                          "stacked packed int4 weight is an I32 [experts, rows, columns / 8] tensor")
+    values = _stacked_shapes(shape)
+    differ = np.flatnonzero((values != values[0]).any(axis=1))
+    if differ.size:
+        e = int(differ[0])
+        raise FormatError(f"{where}: {shape.name!r} gives the experts different shapes "
+                          f"(expert 0 {values[0].tolist()}, expert {e} {values[e].tolist()})")
+    row = [int(v) for v in values[0]]
+    if len(row) == 4 and role == "gate_up" and row[1] == row[3] and row[0] == row[2] and row[0] > 0:
+        rows, cols = 2 * row[0], row[1]
+    elif len(row) == 2 and min(row) > 0:
+        rows, cols = row
+    else:
+        raise FormatError(f"{where}: {shape.name!r} holds {row} per expert; expected [rows, columns]"
+                          + (" or gate's and up's [I, H, I, H]" if role == "gate_up" else ""))
+    if packed.shape[1:] != (rows, -(-cols // 8)):
+        raise FormatError(
+            f"{where}: packed tensor {packed.name!r} has shape {list(packed.shape)}, but "
+            f"weight_shape {row} packs into [experts, {rows}, {-(-cols // 8)}] I32 words")
+    if cols % 8:
+        raise FormatError(f"{where}: {packed.name!r}: {cols} columns are not a multiple of 8; "
+                          "padded int4 rows are not supported")
+    bits = config.get("num_bits", 4)
+    if bits != 4:
+        raise FormatError(f"{where}: {packed.name!r}: num_bits {bits} in config.json; "
+                          "only 4-bit pack-quantized weights are supported")
+    if scale.dtype not in _INT4_SCALE_DTYPES or scale.shape[1] != rows or scale.shape[2] <= 0 \
+            or cols % scale.shape[2]:
+        raise FormatError(
+            f"{where}: scale {scale.name!r} is {scale.dtype}{list(scale.shape)}; the weight "
+            f"[{rows}, {cols}] needs [experts, {rows}, groups] scales ({'/'.join(_INT4_SCALE_DTYPES)}) "
+            "with groups dividing the columns")
+    group = cols // scale.shape[2]
+    want_group = config.get("group_size")
+    if isinstance(want_group, int) and want_group > 0 and want_group != group:
+        raise FormatError(f"{where}: scale {scale.name!r} has groups of {group} columns but "
+                          f"config.json says group_size {want_group}")
+    zero = parts.get(".weight_zero_point")
+    if zero is not None:
+        if role == "gate_up" and (rows // 2) % 8:
+            raise FormatError(f"{where}: zero point {zero.name!r}: a fused gate_up with zero points "
+                              f"needs I = {rows // 2} to be a multiple of 8 (gate's and up's packed "
+                              "words are concatenated)")
+        if zero.dtype != "I32" or zero.shape[1:] != (-(-rows // 8), scale.shape[2]):
+            raise FormatError(
+                f"{where}: zero point {zero.name!r} is {zero.dtype}{list(zero.shape)}; expected "
+                f"I32[experts, {-(-rows // 8)}, {scale.shape[2]}] (8 packed int4 per word down each column)")
+    return (rows, cols), group
 
 
 def experts_from_tensors(files: tuple[str, ...] | list[str],

@@ -76,7 +76,8 @@ def _tokenizer() -> Any:
 
 def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", *,
                    dtype: str = "bfloat16", hidden_size: int = 64, seed: int = 0,
-                   fp8_block: int | None = None) -> str:
+                   fp8_block: int | None = None, int4_group: int | None = None,
+                   int4_scope: str = "experts", int4_symmetric: bool = True) -> str:
     """Write a tiny random ``model_type`` MoE checkpoint and its tokenizer
     to ``path`` (created); returns the path. ``dtype`` is what the weights
     are saved in (``"bfloat16"`` or ``"float32"``). ``fp8_block=B`` then
@@ -116,8 +117,12 @@ def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if fp8_block is not None and int4_group is not None:
+        raise ValueError("fp8_block and int4_group are two formats; pass one")
     if fp8_block is not None:
         _to_fp8(out, fp8_block)
+    if int4_group is not None:
+        _to_int4(out, int4_group, int4_scope, int4_symmetric)
     return out
 
 
@@ -166,6 +171,72 @@ def _to_fp8(path: str, block: int) -> None:
         json.dump(cfg, f, indent=2)
 
 
+_ROUTED = re.compile(r"\.experts\.[0-9]+\.[a-z_0-9]+\.weight$")
+_ROUTED_TARGET = r"re:.*\.experts\.[0-9]+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"
+
+
+def _to_int4(path: str, group: int, scope: str, symmetric: bool) -> None:
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    if group < 1:
+        raise ValueError(f"int4_group must be >= 1, got {group}")
+    if scope not in ("experts", "all"):
+        raise ValueError(f"int4_scope must be 'experts' or 'all', not {scope!r}")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group",
+                            group_size=group)
+    if scope == "experts":
+        scheme = QuantizationScheme(targets=[_ROUTED_TARGET], weights=args)
+        ignore = ["lm_head"]
+    else:
+        scheme = QuantizationScheme(targets=["Linear"], weights=args)
+        ignore = ["lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$"]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    renamed: dict[str, list[str]] = {}
+    for name in files:
+        tensors = load_file(os.path.join(path, name))
+        out: dict[str, Any] = {}
+        for key, value in tensors.items():
+            wanted = value.ndim == 2 and _PROJECTION.search(key) is not None and (
+                scope == "all" or _ROUTED.search(key) is not None)
+            if not wanted or value.shape[1] % group:
+                out[key] = value
+                continue
+            weight = value.float()
+            rows, cols = weight.shape
+            blocks = weight.reshape(rows, cols // group, group)
+            scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
+            state = {"weight": weight, "weight_scale": scale.to(value.dtype), "weight_zero_point": zero}
+            packed = PackedQuantizationCompressor.compress(state, scheme)
+            base = key[: -len("weight")]
+            for suffix, tensor in packed.items():
+                out[base + suffix] = tensor.contiguous()
+            renamed[key] = [base + suffix for suffix in packed]
+        save_file(out, os.path.join(path, name), metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+        for key, new_keys in renamed.items():
+            file = data["weight_map"].pop(key)
+            for new_key in new_keys:
+                data["weight_map"][new_key] = file
+        with open(index, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                quantization_status="compressed", ignore=ignore)
+    ModelCompressor(quantization_config=config).update_config(path)
+    del torch
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colibri.tiny_moe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,8 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp8-block", type=int, default=None,
                         help="save the projections as block-scaled FP8 with B x B blocks")
+    parser.add_argument("--int4-group", type=int, default=None,
+                        help="compress the routed experts to compressed-tensors pack-quantized int4 "
+                             "with one scale per G columns (needs compressed-tensors)")
+    parser.add_argument("--int4-all", action="store_true",
+                        help="with --int4-group: compress attention and dense/shared MLPs too")
     args = parser.parse_args(argv)
-    print(write_tiny_moe(args.path, args.arch, dtype=args.dtype, seed=args.seed, fp8_block=args.fp8_block))
+    print(write_tiny_moe(args.path, args.arch, dtype=args.dtype, seed=args.seed, fp8_block=args.fp8_block,
+                         int4_group=args.int4_group, int4_scope="all" if args.int4_all else "experts"))
     return 0
 
 

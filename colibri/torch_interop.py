@@ -154,7 +154,7 @@ def dequantize_torch(ex: Any) -> dict[str, Any]:
         name = first if role == "gate" else role
         if name in parts:
             decoded[name] = _decode(torch, info, role, parts[name], parts.get(f"{name}_scale"),
-                                    parts.get(f"{role}_zero"))
+                                    parts.get(f"{name}_zero"))
     if info.transposed:
         decoded = {name: w.t() for name, w in decoded.items()}
 
