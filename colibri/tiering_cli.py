@@ -1,6 +1,6 @@
 """`colibri replay` and `colibri plan`: cache policies and budgets on a routing trace.
 
-    colibri replay TRACE (--model PATH | --experts N) --budget 12.5%,25%,50% --policy lru,...
+    colibri replay TRACE (--model PATH | --experts N) --budget 12.5%,25%,50% --policy lru,... [--usage HISTORY]
     colibri plan HISTORY (--model PATH | --experts N) --budget 25% [--top-k K]
 
 A budget is a share of each layer's experts (``25%``), a slot count per
@@ -77,6 +77,7 @@ def _replay_cmd(args: argparse.Namespace) -> int:
 
     trace = Trace.load(args.trace)
     model = _model_for(trace, args)
+    history = _load_history(args.usage) if args.usage else None
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     known = available_policies()
     unknown = [p for p in policies if p not in known]
@@ -90,15 +91,18 @@ def _replay_cmd(args: argparse.Namespace) -> int:
     bar = _progress(total=lookups, enabled=args.progress or (args.progress is None and lookups > _LONG))
     print(f"{args.trace}: {len(trace)} tokens x {len(trace.layers)} layers, top-{trace.top_k} of "
           f"{model.num_experts}, {trace.requests:,} requests")
+    if history is not None:
+        print(f"warm start from {args.usage}: every layer's unpinned slots start with its hottest experts; "
+              "Belady may fill every slot for free too")
     rows: list[tuple[str, int, dict[str, float], float]] = []
     for label, slots, _ in budgets:
         eff = min(max(slots, k), model.num_experts)
         note = f" (raised to top-k {k})" if slots < k else ""
-        best = belady(trace, eff).hit_rate
+        best = belady(trace, eff, warm=history is not None).hit_rate
         bar.update(trace.requests)
         rates: dict[str, float] = {}
         for pol in policies:
-            rates[pol] = replay(trace, slots_per_layer=eff, policy=pol).hit_rate
+            rates[pol] = replay(trace, slots_per_layer=eff, policy=pol, usage=history).hit_rate
             bar.update(trace.requests)
         rows.append((label, eff, rates, best))
         bar.write(f"\nbudget {label}: {eff} slots per layer{note}")
@@ -165,19 +169,25 @@ def _plot(path: str, rows: Sequence[tuple[str, int, dict[str, float], float]], t
     plt.close(fig)
 
 
-def _plan_cmd(args: argparse.Namespace) -> int:
-    from colibri.plan import plan
+def _load_history(path: str) -> Any:
+    """A routing trace, or else a usage file: whichever ``path`` is."""
     from colibri.trace import Trace
     from colibri.usage import Usage
 
-    history: Any
     try:
-        history = Trace.load(args.history)
+        return Trace.load(path)
     except FormatError as as_trace:
         try:
-            history = Usage.load(args.history)
+            return Usage.load(path)
         except FormatError:
             raise as_trace from None
+
+
+def _plan_cmd(args: argparse.Namespace) -> int:
+    from colibri.plan import plan
+    from colibri.trace import Trace
+
+    history = _load_history(args.history)
     if isinstance(history, Trace):
         model = _model_for(history, args)
     else:
@@ -205,6 +215,9 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--budget", default="12.5%,25%,50%",
                    help="comma-separated budgets: shares (25%%), slots per layer (32) or bytes (12GiB)")
     r.add_argument("--policy", default="lru", help="comma-separated eviction policies")
+    r.add_argument("--usage", metavar="HISTORY",
+                   help="a routing trace or usage file: start every replay warm from its hottest experts, as "
+                        "open_store(usage_file=..., warm_start=True) does, against Belady's warm bound")
     r.add_argument("--plot", metavar="FILE.png", help="draw hit rate against budget (needs matplotlib)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on long traces)")

@@ -27,6 +27,23 @@ def test_replay_prints_each_budget_with_belady_and_the_gap(capsys):
         assert f"{belady(t, slots).hit_rate:.4f}" in out
 
 
+def test_replay_with_a_history_starts_warm(tmp_path, capsys):
+    t = Trace.load(QWEN)
+    half = t.sequences[: len(t.sequences) // 2]
+    learn, test = t.select_sequences(half), t.select_sequences(t.sequences[len(half):])
+    learn.save(tmp_path / "learn.npz")
+    test.save(tmp_path / "test.npz")
+    assert main(["replay", str(tmp_path / "test.npz"), "--experts", "256", "--budget", "25%",
+                 "--policy", "lru,cooc", "--usage", str(tmp_path / "learn.npz"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "warm start from" in out
+    for pol in ("lru", "cooc"):
+        warm = replay(test, slots_per_layer=64, policy=pol, usage=learn).hit_rate
+        assert warm > replay(test, slots_per_layer=64, policy=pol).hit_rate
+        assert f"{warm:.4f}" in out
+    assert f"{belady(test, 64, warm=True).hit_rate:.4f}" in out
+
+
 def test_replay_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "hit.png"
