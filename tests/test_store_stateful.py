@@ -20,7 +20,9 @@ plain integer arguments, so a failure replays as a program.
 The same machine runs with pinned experts: they hold slots of their layer
 for good (lookups of other experts find fewer slots), every lookup of one is
 a hit counted as persistent, they are never evicted, and store.pinned lists
-them throughout.
+them throughout. And with a warm start beside the pins: the warm experts are
+resident at open, unleased, the last of each layer's list the most recent
+(loaded in order: no workers), and evicted like any other.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ class LayerModel:
     last release; pinned experts are resident from the start and never on
     the LRU list."""
 
-    def __init__(self, slots: int, pinned: frozenset = frozenset()):
+    def __init__(self, slots: int, pinned: frozenset = frozenset(), warm: tuple = ()):
         self.slots = slots
         self.pinned = pinned
         self.refs: dict[int, int] = {e: 0 for e in pinned}  # resident expert -> leases held
         self.lru: OrderedDict = OrderedDict()   # unleased resident experts, LRU first
+        for e in warm[len(warm) - (slots - len(pinned)):] if len(warm) > slots - len(pinned) else warm:
+            self.refs[e] = 0
+            self.lru[e] = None
         self.evictions = 0
         self.exact = True                       # False once an outcome was left unspecified
 
@@ -94,17 +99,20 @@ class LayerModel:
 class StoreMachine(RuleBasedStateMachine):
     model = None  # a SyntheticModel, set by the test function
     pins: tuple = ()  # (layer, expert) pinned at open
+    warm: tuple = ()  # (layer, expert) warm at open, loaded in order (no workers then)
 
     def __init__(self):
         super().__init__()
         self.store = colibri.open_store(self.model.path, slots_per_layer=SLOTS, slot_wait_timeout=0.01,
-                                        pin=self.pins)
+                                        pin=self.pins, warm=self.warm,
+                                        prefetch_workers=0 if self.warm else 2)
         self.store.wait_idle()  # pins load in the background
         self.want = expected_experts(self.model)
         self.singles: list = []   # single leases held
         self.groups: list = []    # (context manager, tuple of leases) of lease_many
         self.released: list = []  # leases released already
-        self.layers = {layer: LayerModel(SLOTS, self.pinned(layer)) for layer in self.model.layers}
+        self.layers = {layer: LayerModel(SLOTS, self.pinned(layer), tuple(e for la, e in self.warm if la == layer))
+                       for layer in self.model.layers}
         self.failed_lookups = 0
         self.pinned_lookups = 0
         self.last = self.store.stats()
@@ -356,5 +364,14 @@ def test_store_state_machine_with_pins(tiny_model):
     class Machine(StoreMachine):
         model = tiny_model
         pins = ((1, 0), (2, 4), (2, 5))  # layer 2 keeps one slot for its other experts
+
+    run_state_machine_as_test(Machine, settings=settings(settings(), stateful_step_count=40))
+
+
+def test_store_state_machine_with_pins_and_a_warm_start(tiny_model):
+    class Machine(StoreMachine):
+        model = tiny_model
+        pins = ((2, 4),)
+        warm = ((1, 3), (1, 1), (1, 5), (1, 2), (2, 0), (2, 1))  # layer 1 keeps its last three
 
     run_state_machine_as_test(Machine, settings=settings(settings(), stateful_step_count=40))
