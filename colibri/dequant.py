@@ -14,7 +14,17 @@ un-transposes and un-fuses:
 * ``int4`` (compressed-tensors pack-quantized): eight 4-bit values per
   little-endian int32, low nibble first, stored as ``q + 8``; the weight is
   ``(q - zero) * scale`` per group of columns, with zero points (packed
-  eight per int32 down each column) when the checkpoint has them.
+  eight per int32 down each column) when the checkpoint has them;
+* ``gptq``, ``gptq_v2`` and ``awq``: stored (in, out). Unsigned 4-bit
+  values ``q``, zero points ``z`` packed eight per int32 along each row of
+  ``qzeros``, and per-group scales ``s``; the weight of input row ``i`` and
+  column ``j`` is ``(q - z[g, j]) * s[g, j]`` with ``g = g_idx[i]`` (GPTQ;
+  ``i // group_size`` without a g_idx and for AWQ). GPTQ packs ``q`` down
+  the columns (input row ``8k + n`` in bits ``4n..4n+3`` of word ``k``) and
+  its original format (``gptq``) stores every zero point minus one, so
+  ``z`` is the nibble plus one, as AutoGPTQ reads it; ``gptq_v2`` stores
+  ``z`` itself. AWQ packs ``q`` and ``z`` along the rows, nibble ``n`` of
+  word ``k`` holding column ``8k + (0, 2, 4, 6, 1, 3, 5, 7)[n]``.
 
 The results are new arrays: they do not reference the cache slot, so the
 lease may end right after. An engine that wants the raw parts keeps them
@@ -29,9 +39,11 @@ import numpy as np
 
 from colibri import fp8
 from colibri.errors import FormatError
-from colibri.layouts import FP8_BLOCK, INT4, INTERLEAVED, MXFP4, PLAIN, ROLES, ExpertTensors
+from colibri.layouts import (AWQ, FP8_BLOCK, GPTQ, GPTQ_V2, INT4, INTERLEAVED, MXFP4, PLAIN, ROLES,
+                             ExpertTensors)
 
-__all__ = ["dequantize", "mxfp4_to_float", "unpack_int4", "int4_to_float", "E2M1_VALUES"]
+__all__ = ["dequantize", "mxfp4_to_float", "unpack_int4", "int4_to_float", "gptq_to_float",
+           "awq_to_float", "AWQ_ORDER", "E2M1_VALUES"]
 
 # The 16 values of an e2m1 nibble (sign bit 3, exponent bits 2-1, mantissa bit 0).
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -102,8 +114,106 @@ def int4_to_float(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int],
     return q
 
 
+# AWQ's GEMM packing: nibble n of a word holds column AWQ_ORDER[n] of its eight.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# ... so column c of the eight is nibble _AWQ_NIBBLE[c].
+_AWQ_NIBBLE = np.argsort(AWQ_ORDER)
+
+
+def _nibbles_along_rows(words: np.ndarray) -> np.ndarray:
+    """uint8 nibbles of int32 words ``(rows, k)`` as ``(rows, 8k)``, word by
+    word, nibble 0 (bits 0-3) first."""
+    w = np.ascontiguousarray(np.asarray(words)).astype("<i4", copy=False)
+    b = w.view(np.uint8).reshape(w.shape[0], -1)
+    out = np.empty((w.shape[0], b.shape[1] * 2), dtype=np.uint8)
+    out[:, 0::2] = b & 0x0F
+    out[:, 1::2] = b >> 4
+    return out
+
+
+def _nibbles_down_columns(words: np.ndarray) -> np.ndarray:
+    """uint8 nibbles of int32 words ``(k, columns)`` packed down each
+    column: row ``8i + n`` is nibble ``n`` of word row ``i``; ``(8k, columns)``."""
+    w = np.asarray(words)
+    k, cols = w.shape
+    return _nibbles_along_rows(w.reshape(k * cols, 1)).reshape(k, cols, 8).transpose(0, 2, 1) \
+        .reshape(8 * k, cols)
+
+
+def _groups_of_rows(rows: int, groups: int, group_size: int, g_idx: np.ndarray | None,
+                    what: str) -> np.ndarray:
+    """The scale row of each input row: ``g_idx`` when given, else ``i // group_size``."""
+    if g_idx is None:
+        g = np.arange(rows) // (group_size or rows)
+        if g[-1] >= groups:
+            raise FormatError(f"{what}: {groups} scale rows do not cover {rows} input rows "
+                              f"in groups of {group_size or rows}")
+        return g
+    g = np.asarray(g_idx).astype(np.int64)
+    if g.shape != (rows,):
+        raise FormatError(f"{what}: g_idx {list(g.shape)} does not give a group for each of "
+                          f"{rows} input rows")
+    if g.size and (g.min() < 0 or g.max() >= groups):
+        raise FormatError(f"{what}: g_idx holds groups {int(g.min())}..{int(g.max())}, but the "
+                          f"scales have {groups}")
+    return g
+
+
+def _apply_groups(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """(q - zeros[g]) * scales[g] in float32, in place in q's float copy."""
+    w = q.astype(np.float32)
+    w -= zeros.astype(np.float32)[g]
+    w *= scales[g]
+    return w
+
+
+def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
+                  g_idx: np.ndarray | None = None, *, group_size: int = 0,
+                  zeros_minus_one: bool = True, what: str = "GPTQ weight") -> np.ndarray:
+    """float32 ``(in, out)`` weight of a GPTQ module: ``qweight`` int32
+    ``(in / 8, out)``, ``scales`` ``(groups, out)``, ``qzeros`` int32
+    ``(groups, out / 8)``, ``g_idx`` ``(in,)`` (None: ``i // group_size``,
+    0 meaning one group). ``zeros_minus_one``: the original GPTQ format, whose
+    zero points are stored minus one (``checkpoint_format`` gptq); False for
+    gptq_v2."""
+    q = _nibbles_down_columns(qweight)
+    sc = np.asarray(scales).astype(np.float32)
+    rows, cols = q.shape
+    if sc.ndim != 2 or sc.shape[1] != cols:
+        raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
+    z = _nibbles_along_rows(qzeros)
+    if z.shape != sc.shape:
+        raise FormatError(f"{what}: qzeros {list(np.shape(qzeros))} do not fit scales {list(sc.shape)}")
+    if zeros_minus_one:
+        z = z + 1  # uint8: 15 + 1 is 16, not 0
+    g = _groups_of_rows(rows, sc.shape[0], group_size, g_idx, what)
+    return _apply_groups(q, z, sc, g)
+
+
+def awq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray, *,
+                 group_size: int = 0, what: str = "AWQ weight") -> np.ndarray:
+    """float32 ``(in, out)`` weight of an AWQ GEMM module: ``qweight`` int32
+    ``(in, out / 8)``, ``scales`` ``(groups, out)``, ``qzeros`` int32
+    ``(groups, out / 8)``, both packed in :data:`AWQ_ORDER`; input row ``i``
+    uses group ``i // group_size`` (0: one group)."""
+    def natural(words: np.ndarray) -> np.ndarray:
+        n = _nibbles_along_rows(words)
+        return n.reshape(n.shape[0], -1, 8)[:, :, _AWQ_NIBBLE].reshape(n.shape)
+
+    q = natural(qweight)
+    sc = np.asarray(scales).astype(np.float32)
+    rows, cols = q.shape
+    if sc.ndim != 2 or sc.shape[1] != cols:
+        raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
+    z = natural(qzeros)
+    if z.shape != sc.shape:
+        raise FormatError(f"{what}: qzeros {list(np.shape(qzeros))} do not fit scales {list(sc.shape)}")
+    g = _groups_of_rows(rows, sc.shape[0], group_size, None, what)
+    return _apply_groups(q, z, sc, g)
+
+
 def _decode(info: ExpertTensors, role: str, data: np.ndarray, scale: np.ndarray | None,
-            zero: np.ndarray | None) -> np.ndarray:
+            zero: np.ndarray | None, g_idx: np.ndarray | None = None) -> np.ndarray:
     """One role's data as float32, in its stored orientation."""
     if info.scheme == PLAIN or (info.scheme == FP8_BLOCK and scale is None):
         return np.array(data, dtype=np.float32, copy=True)
@@ -117,6 +227,15 @@ def _decode(info: ExpertTensors, role: str, data: np.ndarray, scale: np.ndarray 
         shape = info.shape(role)
         assert shape is not None
         return int4_to_float(data, scale, shape, zero)
+    if info.scheme in (GPTQ, GPTQ_V2, AWQ):
+        w = info.weight(role)
+        what = f"{role} {w.name!r}" if w is not None else role
+        if zero is None:
+            raise FormatError(f"{info.scheme} weight {what} has no zero points")
+        if info.scheme == AWQ:
+            return awq_to_float(data, scale, zero, group_size=info.group_size, what=what)
+        return gptq_to_float(data, scale, zero, g_idx, group_size=info.group_size,
+                             zeros_minus_one=info.scheme == GPTQ, what=what)
     raise FormatError(f"unknown weight scheme {info.scheme!r}")
 
 
@@ -144,7 +263,7 @@ def dequantize(lease: Any) -> dict[str, np.ndarray]:
         if name not in parts:
             continue  # up of a fused gate_up
         decoded[name] = _decode(info, role, parts[name], parts.get(f"{name}_scale"),
-                                parts.get(f"{name}_zero"))
+                                parts.get(f"{name}_zero"), parts.get(f"{name}_g_idx"))
     if info.transposed:
         decoded = {name: w.T for name, w in decoded.items()}
     if info.fused:

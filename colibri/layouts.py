@@ -23,7 +23,9 @@ layout that finds routed experts.
 Formats (:data:`SCHEMES`): plain floats; DeepSeek-V3 FP8, a weight ``W``
 with block scales ``W_scale_inv`` (F32, one per 128x128 block); MXFP4;
 compressed-tensors pack-quantized int4 (``weight_packed``, ``weight_scale``,
-optional ``weight_zero_point``, ``weight_shape``). Any other tensor that
+optional ``weight_zero_point``, ``weight_shape``); GPTQ and AWQ 4-bit
+(``qweight``, ``qzeros``, ``scales``, GPTQ's ``g_idx``, in place of a
+module's ``weight``). Any other tensor that
 accompanies an expert weight (``W_<something>``) is refused, because
 ignoring it would silently compute with the wrong weights. docs/formats.md
 has the table.
@@ -61,6 +63,9 @@ __all__ = [
     "FP8_BLOCK",
     "MXFP4",
     "INT4",
+    "GPTQ",
+    "GPTQ_V2",
+    "AWQ",
     "INTERLEAVED",
     "CONCATENATED",
     "ExpertTensors",
@@ -232,7 +237,12 @@ PLAIN = "plain"            # F32/F16/BF16/unscaled fp8, no scales
 FP8_BLOCK = "fp8_block"    # F8_E4M3 with F32 block scales (DeepSeek-V3)
 MXFP4 = "mxfp4"            # e2m1 pairs per byte, one e8m0 scale per 32 values (gpt-oss)
 INT4 = "int4"              # compressed-tensors pack-quantized: 8 int4 per int32, group scales
-SCHEMES: tuple[str, ...] = (PLAIN, FP8_BLOCK, MXFP4, INT4)
+GPTQ = "gptq"              # GPTQ qweight/qzeros/scales/g_idx, zeros stored minus one (v1)
+GPTQ_V2 = "gptq_v2"        # the same with zeros stored as they are (checkpoint_format gptq_v2)
+AWQ = "awq"                # AWQ GEMM qweight/qzeros/scales, packed along rows in AWQ's order
+SCHEMES: tuple[str, ...] = (PLAIN, FP8_BLOCK, MXFP4, INT4, GPTQ, GPTQ_V2, AWQ)
+# The GPTQ/AWQ family: (in, out) matrices, per-input-row groups of scales.
+QUANT_MODULE_SCHEMES: tuple[str, ...] = (GPTQ, GPTQ_V2, AWQ)
 
 # ExpertTensors.fused: how a fused gate_up tensor holds gate and up.
 INTERLEAVED = "interleaved"    # gate, up, gate, up ... (gpt-oss)
@@ -256,10 +266,13 @@ class ExpertTensors:
     * ``scheme`` is one of :data:`SCHEMES`; ``shapes`` the logical
       ``(rows, columns)`` of gate (or gate_up), up and down as stored, in
       elements (a packed 4-bit tensor holds fewer bytes than elements);
-      ``group_size`` the values per scale along a row (4-bit schemes).
+      ``group_size`` the values per scale along a row (4-bit schemes; for
+      GPTQ and AWQ, which store (in, out), the input rows per scale, 0 for
+      one group over the whole input).
     * ``extras``: ``(name, TensorInfo)`` of the parts beyond data and scales,
       named ``gate_bias``, ``up_bias``, ``gate_up_bias``, ``down_bias``,
-      ``gate_zero``, ``up_zero``, ``gate_up_zero``, ``down_zero``.
+      ``gate_zero``, ``up_zero``, ``gate_up_zero``, ``down_zero``,
+      ``gate_g_idx``, ``up_g_idx``, ``down_g_idx``.
     """
 
     gate: TensorInfo
@@ -306,6 +319,10 @@ class ExpertTensors:
             return None
         if self.scheme in (MXFP4, INT4):
             return (1, self.group_size)
+        if self.scheme in QUANT_MODULE_SCHEMES:
+            shape = self.shape(role)
+            assert shape is not None
+            return (self.group_size or shape[0], 1)
         return scale_block(w, scale)
 
     def coli_format(self, role: str) -> int:
@@ -317,6 +334,10 @@ class ExpertTensors:
             return _dtypes.COLI_TENSOR_FP4_NATIVE_BLOCK
         if self.scheme == INT4:
             return _dtypes.COLI_TENSOR_INT4_BLOCK
+        if self.scheme in (GPTQ, GPTQ_V2):
+            return _dtypes.COLI_TENSOR_INT4_GPTQ
+        if self.scheme == AWQ:
+            return _dtypes.COLI_TENSOR_INT4_AWQ
         return _dtypes.coli_format(w.dtype, self.scale(role) is not None)
 
     def coli_scale_format(self, role: str) -> int:
@@ -548,8 +569,11 @@ def detect_layout(names: Mapping[str, object] | list[str],
     beside the files says ``model_type`` gpt_oss; otherwise they are
     transformers' own stacking (concatenated).
     """
-    # A pack-quantized weight W is stored as W_packed.
-    weights = [name[: -len("_packed")] if name.endswith(".weight_packed") else name for name in names]
+    # A pack-quantized weight W is stored as W_packed; a GPTQ/AWQ module M's
+    # weight M.weight as M.qweight.
+    weights = [name[: -len("_packed")] if name.endswith(".weight_packed")
+               else name[: -len("qweight")] + "weight" if name.endswith(".qweight") else name
+               for name in names]
     hits: list[AnyLayout] = [
         layout for layout in BUILTIN_LAYOUTS.values()
         if any(layout.match(name) is not None for name in weights)
@@ -637,8 +661,8 @@ def _check_expert(layer: int, expert: int, ex: ExpertTensors) -> None:
     for role in ROLES:
         w = ex.weight(role)
         assert w is not None  # per-expert layouts never fuse
-        if ex.scheme == INT4:
-            continue  # checked by _int4_role
+        if ex.scheme == INT4 or ex.scheme in QUANT_MODULE_SCHEMES:
+            continue  # checked by _int4_role / _quant_module_role
         if w.dtype not in _dtypes.EXPERT_DTYPES:
             raise FormatError(
                 f"{where}: {role} tensor {w.name!r} has dtype {w.dtype}; expert weights "
@@ -1078,17 +1102,24 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
         return _stacked_experts(files, tensors, chosen)
 
     int4 = _int4_experts(chosen, tensors)
+    modules = _quant_modules(chosen, tensors)
+    if int4 and modules:
+        raise FormatError(f"{_describe(files)} mixes pack-quantized ({next(iter(int4))!r}) and "
+                          f"GPTQ/AWQ ({next(iter(modules)) + 'qweight'!r}) expert weights")
     found: dict[int, dict[int, dict[str, TensorInfo]]] = {}
     for name, info in tensors.items():
         hit = chosen.match(name)
         if hit is None:
             if name.endswith(".weight_packed") and name[: -len("_packed")] in int4:
                 hit = chosen.match(name[: -len("_packed")])
+            elif name.endswith(".qweight") and name[: -len("qweight")] in modules:
+                hit = chosen.match(name[: -len("qweight")] + "weight")
             if hit is None:
                 continue
-        elif int4:
+        elif int4 or modules:
             raise FormatError(f"tensor {name!r} ({info.path}) is a plain expert weight in a "
-                              "checkpoint of pack-quantized experts")
+                              "checkpoint of " + ("pack-quantized" if int4 else "GPTQ/AWQ")
+                              + " experts")
         layer, expert, role = hit
         roles = found.setdefault(layer, {}).setdefault(expert, {})
         if role in roles:
@@ -1102,11 +1133,12 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
             f"layout {chosen.name!r} matches no routed-expert tensor in {_describe(files)}"
         )
     scales: dict[str, TensorInfo] = {}
-    if not int4:
+    if not int4 and not modules:
         weights = {info.name for experts in found.values()
                    for roles in experts.values() for info in roles.values()}
         scales = _companions(tensors, weights, chosen)
     config = _quant_config(files) if int4 else {}
+    module_config = _module_quant_config(files, modules) if modules else None
 
     result: dict[int, Mapping[int, ExpertTensors]] = {}
     for layer in sorted(found):
@@ -1131,6 +1163,9 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
                 )
             if int4:
                 ex = _int4_expert(f"layer {layer} expert {expert}", roles, int4, config)
+            elif module_config is not None:
+                ex = _quant_module_expert(f"layer {layer} expert {expert}", roles, modules,
+                                          module_config)
             else:
                 ex = ExpertTensors(
                     gate=roles["gate"], up=roles["up"], down=roles["down"],
@@ -1175,6 +1210,207 @@ def _int4_expert(where: str, roles: dict[str, TensorInfo],
         gate=roles["gate"], up=roles["up"], down=roles["down"],
         gate_scale=scale_of["gate"], up_scale=scale_of["up"], down_scale=scale_of["down"],
         extras=tuple(extras), scheme=INT4, shapes=tuple(shapes), group_size=groups.pop())
+
+
+# GPTQ and AWQ: a quantized Linear module M stores M.qweight, M.qzeros,
+# M.scales and (GPTQ) M.g_idx in place of M.weight.
+_MODULE_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_MODULE_SCALE_DTYPES = ("F16", "BF16", "F32")
+
+
+def _quant_modules(chosen: Layout, tensors: Mapping[str, TensorInfo]
+                   ) -> dict[str, dict[str, TensorInfo]]:
+    """GPTQ/AWQ expert modules by name prefix (``...gate_proj.``): their parts.
+    A tensor of such a module that is not a GPTQ/AWQ part is refused."""
+    modules: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        if name.endswith(".qweight"):
+            prefix = name[: -len("qweight")]
+            if chosen.match(prefix + "weight") is not None:
+                modules[prefix] = {"qweight": info}
+    if not modules:
+        return modules
+    for name, info in tensors.items():
+        cut = name.rfind(".") + 1
+        prefix, suffix = name[:cut], name[cut:]
+        if prefix not in modules or suffix == "qweight":
+            continue
+        if suffix not in _MODULE_PARTS:
+            raise FormatError(f"tensor {name!r} ({info.path}) belongs to the quantized expert "
+                              f"module {prefix[:-1]!r}, but {suffix!r} is not a GPTQ/AWQ part ("
+                              + ", ".join(_MODULE_PARTS) + ")")
+        modules[prefix][suffix] = info
+    return modules
+
+
+@dataclass(frozen=True)
+class _ModuleQuant:
+    """What a GPTQ/AWQ checkpoint's config says, checked."""
+
+    scheme: str | None       # GPTQ, GPTQ_V2, AWQ; None: read from the shapes (no config)
+    group_size: int | None   # rows per scale; 0: one group over the input; None: from the scales
+    source: str              # the file it came from, for messages
+
+
+def _read_json(path: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _module_quant_config(files: tuple[str, ...], modules: Mapping[str, Mapping[str, TensorInfo]]
+                         ) -> _ModuleQuant:
+    """The GPTQ/AWQ settings beside the files: config.json's
+    ``quantization_config``, else AutoGPTQ's ``quantize_config.json``, else
+    AutoAWQ's ``quant_config.json``. Refuses what colibri cannot read
+    exactly: other bit widths, packings and formats."""
+    first = next(iter(modules.values()))["qweight"]
+    folder = os.path.dirname(files[0]) if files else ""
+    cfg: dict[str, object] = {}
+    source, default = "", ""
+    config = _read_json(os.path.join(folder, "config.json"))
+    found = config.get("quantization_config") if isinstance(config, dict) else None
+    if isinstance(found, dict):
+        cfg, source = found, "config.json"
+    else:
+        for name, implied in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            found = _read_json(os.path.join(folder, name))
+            if isinstance(found, dict):
+                cfg, source, default = found, name, implied
+                break
+    if not source:
+        return _ModuleQuant(None, None, "no quantization config")
+    where = f"{first.name!r} ({source})"
+    found_method = cfg.get("quant_method", default)
+    method = found_method.lower() if isinstance(found_method, str) else found_method
+    if method not in ("gptq", "awq"):
+        raise FormatError(f"{where}: quant_method {method!r}, but the experts are GPTQ/AWQ "
+                          "modules (qweight, qzeros, scales)")
+    bits = cfg.get("bits", cfg.get("w_bit", 4))
+    if bits != 4:
+        raise FormatError(f"{where}: bits {bits!r}; only 4-bit GPTQ and AWQ are supported")
+    group = cfg.get("group_size", cfg.get("q_group_size"))
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool)
+                              or not (group == -1 or group > 0)):
+        raise FormatError(f"{where}: group_size {group!r} is neither -1 nor a positive size")
+    group_size = None if group is None else max(group, 0)
+    scheme: str
+    if method == "gptq":
+        fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
+        fmt = fmt.lower() if isinstance(fmt, str) else fmt
+        if fmt not in ("gptq", "gptq_v2") or cfg.get("is_marlin_format"):
+            raise FormatError(f"{where}: GPTQ checkpoint format "
+                              f"{'marlin' if cfg.get('is_marlin_format') else fmt!r}; only the "
+                              "'gptq' and 'gptq_v2' packings are supported")
+        pack = cfg.get("pack_dtype")
+        if pack not in (None, "int32", "torch.int32"):
+            raise FormatError(f"{where}: pack_dtype {pack!r}; only int32 words are supported")
+        if cfg.get("dynamic"):
+            raise FormatError(f"{where}: per-module overrides ('dynamic') are not supported")
+        scheme = GPTQ_V2 if fmt == "gptq_v2" else GPTQ
+    else:
+        version = cfg.get("version", "gemm")
+        version = version.lower() if isinstance(version, str) else version
+        if version != "gemm":
+            raise FormatError(f"{where}: AWQ version {version!r}; only the GEMM packing is "
+                              "supported")
+        if cfg.get("zero_point", True) is not True:
+            raise FormatError(f"{where}: AWQ without zero points is not supported")
+        scheme = AWQ
+    return _ModuleQuant(scheme, group_size, source)
+
+
+def _quant_module_role(where: str, parts: Mapping[str, TensorInfo], quant: _ModuleQuant
+                       ) -> tuple[str, tuple[int, int], int]:
+    """Validates one GPTQ/AWQ module; returns its scheme, (in, out) and scale rows."""
+    qweight = parts["qweight"]
+    prefix = qweight.name[: -len("qweight")]
+    for need in ("scales", "qzeros"):
+        if need not in parts:
+            raise FormatError(f"{where}: {qweight.name!r} has no {prefix + need!r}")
+    scales, qzeros = parts["scales"], parts["qzeros"]
+    if qweight.dtype != "I32" or len(qweight.shape) != 2 or 0 in qweight.shape:
+        raise FormatError(f"{where}: {qweight.name!r} is {qweight.dtype}{list(qweight.shape)}; "
+                          "a 4-bit qweight is a non-empty 2-D I32 tensor")
+    if scales.dtype not in _MODULE_SCALE_DTYPES or len(scales.shape) != 2 or 0 in scales.shape:
+        raise FormatError(f"{where}: scales {scales.name!r} are {scales.dtype}{list(scales.shape)}; "
+                          f"expected a 2-D {'/'.join(_MODULE_SCALE_DTYPES)} (groups, out) tensor")
+    scheme = quant.scheme
+    if scheme is None:  # no config: the shapes tell GPTQ (in/8, out) from AWQ (in, out/8)
+        if "g_idx" in parts or scales.shape[1] == qweight.shape[1]:
+            scheme = GPTQ
+        else:
+            scheme = AWQ
+    if scheme == AWQ:
+        rows, cols = qweight.shape[0], 8 * qweight.shape[1]
+        layout = "(in, out/8) words of eight values along each row"
+    else:
+        rows, cols = 8 * qweight.shape[0], qweight.shape[1]
+        layout = "(in/8, out) words of eight values down each column"
+    if scales.shape[1] != cols:
+        raise FormatError(f"{where}: scales {scales.name!r} {list(scales.shape)} do not fit "
+                          f"{'AWQ' if scheme == AWQ else 'GPTQ'} qweight {qweight.name!r} "
+                          f"{list(qweight.shape)}, which packs {layout}: a ({rows}, {cols}) "
+                          f"matrix needs (groups, {cols}) scales")
+    if cols % 8:
+        raise FormatError(f"{where}: {qweight.name!r}: {cols} output columns do not pack into "
+                          "int32 zero points")
+    groups = scales.shape[0]
+    if qzeros.dtype != "I32" or qzeros.shape != (groups, cols // 8):
+        raise FormatError(f"{where}: qzeros {qzeros.name!r} are {qzeros.dtype}{list(qzeros.shape)}; "
+                          f"scales {scales.name!r} {list(scales.shape)} need I32{[groups, cols // 8]} "
+                          "(eight zero points per word)")
+    g_idx = parts.get("g_idx")
+    if g_idx is not None:
+        if scheme == AWQ:
+            raise FormatError(f"{where}: {g_idx.name!r}: AWQ modules have no g_idx")
+        if g_idx.dtype != "I32" or g_idx.shape != (rows,):
+            raise FormatError(f"{where}: g_idx {g_idx.name!r} is {g_idx.dtype}{list(g_idx.shape)}; "
+                              f"expected I32[{rows}] (the group of each input row)")
+    if groups > rows:
+        raise FormatError(f"{where}: scales {scales.name!r} have {groups} groups for {rows} "
+                          "input rows")
+    return scheme, (rows, cols), groups
+
+
+def _quant_module_expert(where: str, roles: dict[str, TensorInfo],
+                         modules: Mapping[str, Mapping[str, TensorInfo]], quant: _ModuleQuant
+                         ) -> ExpertTensors:
+    parts = {r: modules[roles[r].name[: -len("qweight")]] for r in ROLES}
+    checked = {r: _quant_module_role(f"{where} {r}", parts[r], quant) for r in ROLES}
+    schemes = {scheme for scheme, _, _ in checked.values()}
+    if len(schemes) != 1:
+        raise FormatError(f"{where}: gate, up and down are packed differently ("
+                          + ", ".join(f"{r} {checked[r][0]}" for r in ROLES) + ")")
+    scheme = schemes.pop()
+    # Rows per scale: the config's, else the one every grouped role implies.
+    group = quant.group_size
+    if group is None:
+        implied = {rows // groups for _, (rows, _), groups in checked.values() if groups > 1}
+        group = implied.pop() if len(implied) == 1 else 0
+        if implied:
+            raise FormatError(f"{where}: the scales of gate, up and down imply different group "
+                              "sizes; add the checkpoint's quantization config")
+    for role, (_, (rows, _), groups) in checked.items():
+        want = -(-rows // group) if group else 1
+        if groups != want:
+            scales = parts[role]["scales"]
+            raise FormatError(f"{where}: scales {scales.name!r} have {groups} groups, but "
+                              + (f"group_size {group} over {rows} input rows makes {want}"
+                                 if group else f"one group per column ({quant.source}) makes 1"))
+    with_g_idx = [r for r in ROLES if "g_idx" in parts[r]]
+    if 0 < len(with_g_idx) < 3:
+        raise FormatError(f"{where}: only some roles have g_idx ("
+                          + ", ".join(repr(parts[r]["g_idx"].name) for r in with_g_idx) + ")")
+    extras = [(f"{r}_zero", parts[r]["qzeros"]) for r in ROLES]
+    extras += [(f"{r}_g_idx", parts[r]["g_idx"]) for r in with_g_idx]
+    return ExpertTensors(
+        gate=roles["gate"], up=roles["up"], down=roles["down"],
+        gate_scale=parts["gate"]["scales"], up_scale=parts["up"]["scales"],
+        down_scale=parts["down"]["scales"], extras=tuple(extras), scheme=scheme,
+        transposed=True, shapes=tuple(checked[r][1] for r in ROLES), group_size=group)
 
 
 def scan_model(source: ModelSource, layout: Union[str, AnyLayout] = "auto") -> ModelExperts:

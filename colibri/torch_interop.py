@@ -22,7 +22,8 @@ Rules:
   the tensors before the block ends to give the slot back on time; results
   of computations (``linear(x, gate)``) are new tensors and hold nothing.
 * **Every part.** :func:`expert_tensors` gives every part of a lease
-  (packed MXFP4 blocks and int4 words, scales, biases, zero points) by the
+  (packed MXFP4 blocks, int4/GPTQ/AWQ words, scales, biases, zero points,
+  GPTQ's g_idx) by the
   names of ``ex.parts``; :func:`dequantize_torch` is :func:`colibri.dequantize`
   computed in torch from those views.
 * **Dtypes.** float32/float16 map directly; ``bfloat16`` (ml_dtypes) becomes
@@ -109,8 +110,45 @@ def _unpack_nibbles(torch: Any, data: Any) -> Any:
     return torch.stack(((data & 0x0F).long(), (data >> 4).long()), dim=-1).flatten(-2)
 
 
-def _decode(torch: Any, info: Any, role: str, data: Any, scale: Any, zero: Any) -> Any:
-    from colibri.layouts import FP8_BLOCK, INT4, MXFP4
+def _module_quant(torch: Any, info: Any, role: str, data: Any, scale: Any, zero: Any,
+                  g_idx: Any) -> Any:
+    """GPTQ/AWQ (in, out) weight, as colibri.dequant's gptq_to_float/awq_to_float."""
+    from colibri.dequant import _AWQ_NIBBLE
+    from colibri.errors import FormatError
+    from colibri.layouts import AWQ, GPTQ
+
+    def along(words: Any) -> Any:  # int32 (R, K) -> nibbles (R, 8K), word by word
+        return _unpack_nibbles(torch, words.contiguous().view(torch.uint8))
+
+    def natural(words: Any) -> Any:  # AWQ's order within each word undone
+        n = along(words)
+        return n.reshape(n.shape[0], -1, 8)[:, :, torch.from_numpy(_AWQ_NIBBLE)].reshape(n.shape)
+
+    if zero is None:
+        raise FormatError(f"{info.scheme} weight {role} has no zero points")
+    if info.scheme == AWQ:
+        q, z = natural(data), natural(zero)
+    else:
+        q, z = along(data.t()).t(), along(zero)
+        if info.scheme == GPTQ:
+            z = z + 1  # zero points stored minus one
+    rows, groups = q.shape[0], scale.shape[0]
+    if g_idx is None:
+        g = torch.arange(rows) // (info.group_size or rows)
+    else:
+        g = g_idx.long()
+        if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
+            raise FormatError(f"{role}: g_idx holds groups {int(g.min())}..{int(g.max())}, but "
+                              f"the scales have {groups}")
+    if int(g[-1]) >= groups or z.shape != scale.shape:
+        raise FormatError(f"{role}: scales {list(scale.shape)} and zero points {list(z.shape)} "
+                          f"do not fit {rows} input rows")
+    return (q - z[g]).to(torch.float32) * scale.to(torch.float32)[g]
+
+
+def _decode(torch: Any, info: Any, role: str, data: Any, scale: Any, zero: Any,
+            g_idx: Any = None) -> Any:
+    from colibri.layouts import FP8_BLOCK, INT4, MXFP4, QUANT_MODULE_SCHEMES
 
     f32 = torch.float32
     if scale is None:
@@ -136,6 +174,8 @@ def _decode(torch: Any, info: Any, role: str, data: Any, scale: Any, zero: Any) 
             z = _unpack_nibbles(torch, zero.t().contiguous().view(torch.uint8)).to(f32)[:, :rows] - 8
             q = q - z.t()[:, :, None]
         return (q * scale.to(f32)[:, :, None]).reshape(rows, cols)
+    if info.scheme in QUANT_MODULE_SCHEMES:
+        return _module_quant(torch, info, role, data, scale, zero, g_idx)
     raise ValueError(f"unknown weight scheme {info.scheme!r}")
 
 
@@ -154,7 +194,7 @@ def dequantize_torch(ex: Any) -> dict[str, Any]:
         name = first if role == "gate" else role
         if name in parts:
             decoded[name] = _decode(torch, info, role, parts[name], parts.get(f"{name}_scale"),
-                                    parts.get(f"{name}_zero"))
+                                    parts.get(f"{name}_zero"), parts.get(f"{name}_g_idx"))
     if info.transposed:
         decoded = {name: w.t() for name, w in decoded.items()}
 

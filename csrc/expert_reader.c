@@ -93,7 +93,8 @@ void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise) {
         if (files->fds[i] >= 0) (void)posix_fadvise(files->fds[i], 0, 0, POSIX_FADV_RANDOM);
 }
 
-/* Bytes a tensor of this format and shape occupies; 0 for an unknown format. */
+/* Bytes a tensor of this format and shape occupies; false for an unknown
+ * format, an overflow, or a shape the format's words cannot pack. */
 static bool data_bytes_for(ColiTensorFormat f, int64_t rows, int64_t cols, uint64_t *out) {
     uint64_t r = (uint64_t)rows, c = (uint64_t)cols, per_row;
     switch (f) {
@@ -109,6 +110,13 @@ static bool data_bytes_for(ColiTensorFormat f, int64_t rows, int64_t cols, uint6
     case COLI_TENSOR_FP4_NATIVE_BLOCK:
     case COLI_TENSOR_INT4_BLOCK: per_row = (c + 1) / 2; break;
     case COLI_TENSOR_Q2_ROW: per_row = (c + 3) / 4; break;
+    case COLI_TENSOR_INT4_GPTQ:   /* int32 words of eight values down each column */
+        if (r % 8) return false;
+        return !__builtin_mul_overflow(r / 8 * 4, c, out);
+    case COLI_TENSOR_INT4_AWQ:    /* int32 words of eight values along each row */
+        if (c % 8) return false;
+        per_row = c / 8 * 4;
+        break;
     default: return false;
     }
     return !__builtin_mul_overflow(per_row, r, out);
@@ -135,6 +143,8 @@ static bool scale_allowed(ColiTensorFormat f, ColiScaleFormat sf) {
     case COLI_TENSOR_FP8_E4M3_BLOCK: return sf == COLI_SCALE_F32;
     case COLI_TENSOR_FP4_NATIVE_BLOCK: return sf == COLI_SCALE_UE8M0;
     case COLI_TENSOR_INT4_BLOCK:
+    case COLI_TENSOR_INT4_GPTQ:
+    case COLI_TENSOR_INT4_AWQ:
         return sf == COLI_SCALE_F32 || sf == COLI_SCALE_BF16 || sf == COLI_SCALE_F16;
     default: return sf == COLI_SCALE_NONE || sf == COLI_SCALE_F32;
     }
@@ -162,7 +172,7 @@ int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                          what, (int)t->format);
     uint64_t expect;
     if (!data_bytes_for(t->format, t->rows, t->columns, &expect))
-        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown or oversized format %d (%lld x %lld)",
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: format %d cannot hold %lld x %lld (unknown format, oversized, or not whole words)",
                          what, (int)t->format, (long long)t->rows, (long long)t->columns);
     if (t->nbytes != expect)
         return coli_fail(err, err_len, COLI_ECONFIG,

@@ -29,7 +29,20 @@
  *                          pack-quantized words, little-endian); F32, BF16 or
  *                          F16 scales, one per 1 x group block. Zero points,
  *                          when the checkpoint has them, are an extra part of
- *                          the expert (see lru_store.h). */
+ *                          the expert (see lru_store.h).
+ *   INT4_GPTQ              GPTQ: the matrix is stored (in, out); unsigned
+ *                          4-bit values, eight per little-endian int32 down
+ *                          each column (input row 8k + j in bits 4j..4j+3),
+ *                          so the words are (rows / 8) x columns; F16, BF16
+ *                          or F32 scales (groups x columns), one per
+ *                          group x 1 block. Zero points and g_idx (the group
+ *                          of each input row) are extra parts of the expert.
+ *   INT4_AWQ               AWQ (GEMM packing): stored (in, out); unsigned
+ *                          4-bit values, eight per little-endian int32 along
+ *                          each row, nibble j holding column 8k + (0, 2, 4,
+ *                          6, 1, 3, 5, 7)[j], so the words are rows x
+ *                          (columns / 8); scales as INT4_GPTQ; zero points
+ *                          (packed like the values) are an extra part. */
 typedef enum {
     COLI_TENSOR_F32 = 0,
     COLI_TENSOR_Q8_ROW = 1,         /* refused by the store: nothing produces it */
@@ -43,7 +56,9 @@ typedef enum {
     COLI_TENSOR_F16 = 8,
     COLI_TENSOR_BF16 = 9,
     COLI_TENSOR_F8_E4M3 = 10,   /* fp8 without block scales */
-    COLI_TENSOR_F8_E5M2 = 11
+    COLI_TENSOR_F8_E5M2 = 11,
+    COLI_TENSOR_INT4_GPTQ = 12,
+    COLI_TENSOR_INT4_AWQ = 13
 } ColiTensorFormat;
 
 typedef enum {
