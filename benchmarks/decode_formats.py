@@ -2,13 +2,16 @@
 """Decode the same MoE in bf16 and in 4-bit formats: bytes and time per token.
 
 The sibling of decode_sim.py for formats. One set of float expert weights
-is written three ways under /tmp:
+is written five ways under /tmp:
 
     bf16   mlp_experts layout, BF16 gate_proj/up_proj/down_proj.weight
     int4   the same names as compressed-tensors pack-quantized
            (weight_packed I32, BF16 weight_scale per group of --group, weight_shape)
     mxfp4  gpt-oss layout: gate_up_proj_blocks/_scales interleaved, down_proj_blocks/_scales,
            BF16 biases (zero)
+    gptq   mlp_experts names as GPTQ modules (qweight, qzeros, F16 scales, g_idx),
+           symmetric, groups of --group input rows, the original format (zeros minus one)
+    awq    the same as AWQ GEMM modules (qweight, qzeros, F16 scales), with zero points
 
 A token-by-token decode leases each layer's top-k experts (routing from a
 seeded Zipf trace, the same for every format), dequantizes them with
@@ -59,6 +62,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
+import json
 import random
 import shutil
 import statistics
@@ -80,7 +84,9 @@ import colibri  # noqa: E402
 from colibri.dequant import E2M1_VALUES  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-FORMATS = ("bf16", "int4", "mxfp4")
+FORMATS = ("bf16", "int4", "mxfp4", "gptq", "awq")
+QUANTIZED = FORMATS[1:]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _MIDPOINTS = (E2M1_VALUES[1:8] + E2M1_VALUES[0:7]) / 2
 
 
@@ -111,6 +117,45 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, np.clip(exp + 127, 0, 254).astype(np.uint8)
 
 
+def _words(nibbles: np.ndarray) -> np.ndarray:
+    """(..., 8) values 0..15 -> int32 words, nibble n in bits 4n..4n+3."""
+    u = np.zeros(nibbles.shape[:-1], np.uint32)
+    for n in range(8):
+        u |= nibbles[..., n].astype(np.uint32) << np.uint32(4 * n)
+    return u.view(np.int32)
+
+
+def quantize_gptq(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
+    """Symmetric GPTQ-format parts of a (out, in) weight, stored (in, out):
+    round-to-nearest (GPTQ's error feedback changes the values, not the format)."""
+    t = np.ascontiguousarray(w.T)  # (in, out)
+    rows, cols = t.shape
+    g = t.reshape(rows // group, group, cols)
+    scale = (np.abs(g).max(axis=1) / 7.0).astype(np.float16)  # (groups, out)
+    s = np.maximum(scale.astype(np.float32), 1e-12)
+    q = np.clip(np.rint(g / s[:, None, :]) + 8, 0, 15).astype(np.uint8).reshape(rows, cols)
+    zeros = np.full((rows // group, cols), 8 - 1, np.uint8)  # stored minus one
+    return {"qweight": _words(q.reshape(rows // 8, 8, cols).transpose(0, 2, 1)),
+            "qzeros": _words(zeros.reshape(rows // group, cols // 8, 8)),
+            "scales": scale, "g_idx": (np.arange(rows) // group).astype(np.int32)}
+
+
+def quantize_awq(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
+    """Asymmetric AWQ GEMM parts of a (out, in) weight, stored (in, out)."""
+    t = np.ascontiguousarray(w.T)
+    rows, cols = t.shape
+    g = t.reshape(rows // group, group, cols)
+    lo, hi = g.min(axis=1), g.max(axis=1)
+    scale = (np.maximum(hi - lo, 1e-8) / 15.0).astype(np.float16)
+    s = scale.astype(np.float32)
+    zero = np.clip(np.rint(-lo / s), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint(g / s[:, None, :]) + zero[:, None, :], 0, 15).astype(np.uint8).reshape(rows, cols)
+    order = list(AWQ_ORDER)
+    return {"qweight": _words(q.reshape(rows, cols // 8, 8)[:, :, order]),
+            "qzeros": _words(zero.reshape(rows // group, cols // 8, 8)[:, :, order]),
+            "scales": scale}
+
+
 # ------------------------------------------------------------------ model --
 
 def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
@@ -122,6 +167,8 @@ def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
     for layer in range(layers):
         bf16: dict[str, np.ndarray] = {}
         int4: dict[str, np.ndarray] = {}
+        gptq: dict[str, np.ndarray] = {}
+        awq: dict[str, np.ndarray] = {}
         gate_up_b, gate_up_s, down_b, down_s = [], [], [], []
         for e in range(experts):
             w = {r: (rng.standard_normal((hidden, inter) if r == "down" else (inter, hidden)) * 0.05)
@@ -133,6 +180,8 @@ def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
                 int4[base + "weight_packed"] = packed
                 int4[base + "weight_scale"] = scale
                 int4[base + "weight_shape"] = np.array(value.shape, np.int64)
+                gptq.update({base + k: v for k, v in quantize_gptq(value, group).items()})
+                awq.update({base + k: v for k, v in quantize_awq(value, group).items()})
             fused = np.empty((2 * inter, hidden), np.float32)
             fused[0::2], fused[1::2] = w["gate"], w["up"]
             b, s = quantize_mxfp4(fused)
@@ -150,6 +199,13 @@ def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
         save_file(bf16, str(out["bf16"] / name))
         save_file(int4, str(out["int4"] / name))
         save_file(mx, str(out["mxfp4"] / name))
+        save_file(gptq, str(out["gptq"] / name))
+        save_file(awq, str(out["awq"] / name))
+    (out["gptq"] / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": True,
+        "checkpoint_format": "gptq"}}))
+    (out["awq"] / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}}))
     return out
 
 
@@ -265,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--group", type=int, default=128, help="int4 group size")
+    ap.add_argument("--group", type=int, default=128, help="int4, GPTQ and AWQ group size")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
@@ -332,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                      "I/O ms/token", "x bf16", "compute ms", "tokens/s", "time x bf16", "hit rate"), rows))
         goals = Goals()
         bf16_values, _ = payload_split(paths["bf16"])
-        for fmt in ("int4", "mxfp4"):
+        for fmt in QUANTIZED:
             values, extra = payload_split(paths[fmt])
             # a quarter of bf16's bytes plus this format's scales and biases, per expert
             bound = bf16_values / 4 + extra

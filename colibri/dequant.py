@@ -131,13 +131,20 @@ def _nibbles_along_rows(words: np.ndarray) -> np.ndarray:
     return out
 
 
-def _nibbles_down_columns(words: np.ndarray) -> np.ndarray:
-    """uint8 nibbles of int32 words ``(k, columns)`` packed down each
-    column: row ``8i + n`` is nibble ``n`` of word row ``i``; ``(8k, columns)``."""
-    w = np.asarray(words)
-    k, cols = w.shape
-    return _nibbles_along_rows(w.reshape(k * cols, 1)).reshape(k, cols, 8).transpose(0, 2, 1) \
-        .reshape(8 * k, cols)
+def _awq_natural(words: np.ndarray) -> np.ndarray:
+    """AWQ-packed words ``(rows, k)`` as nibbles ``(rows, 8k)`` in column order."""
+    n = _nibbles_along_rows(words)
+    return n.reshape(n.shape[0], -1, 8)[:, :, _AWQ_NIBBLE].reshape(n.shape)
+
+
+def _awq_transposed(words: np.ndarray) -> np.ndarray:
+    """The values of AWQ-packed ``(rows, k)`` words transposed: ``(8k, rows)``
+    uint8, column ``8i + AWQ_ORDER[n]`` of the matrix from nibble ``n``."""
+    wt = np.ascontiguousarray(np.asarray(words).T).astype("<i4", copy=False).view("<u4")
+    out = np.empty((wt.shape[0], 8, wt.shape[1]), dtype=np.uint8)
+    for n, column in enumerate(AWQ_ORDER):
+        out[:, column, :] = (wt >> np.uint32(4 * n)) & np.uint32(0x0F)
+    return out.reshape(-1, wt.shape[1])
 
 
 def _groups_of_rows(rows: int, groups: int, group_size: int, g_idx: np.ndarray | None,
@@ -159,12 +166,23 @@ def _groups_of_rows(rows: int, groups: int, group_size: int, g_idx: np.ndarray |
     return g
 
 
-def _apply_groups(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """(q - zeros[g]) * scales[g] in float32, in place in q's float copy."""
-    w = q.astype(np.float32)
-    w -= zeros.astype(np.float32)[g]
-    w *= scales[g]
-    return w
+def _apply_groups(qt: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """``(q - zeros[g]) * scales[g]`` in float32 from the transposed values
+    ``qt`` (out, in); returns the (in, out) result as a view of a C-contiguous
+    (out, in) array, so that the Mixtral orientation costs no copy."""
+    w = qt.astype(np.float32)
+    zt = np.ascontiguousarray(zeros.T).astype(np.float32)   # (out, groups)
+    st = np.ascontiguousarray(scales.T)                      # (out, groups)
+    out, rows = w.shape
+    groups = st.shape[1]
+    if rows % groups == 0 and np.array_equal(g, np.arange(rows) // (rows // groups)):
+        tiles = w.reshape(out, groups, rows // groups)  # groups of consecutive input rows
+        tiles -= zt[:, :, None]
+        tiles *= st[:, :, None]
+    else:  # act order, or a last group shorter than the others
+        w -= zt[:, g]
+        w *= st[:, g]
+    return w.T
 
 
 def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
@@ -175,10 +193,13 @@ def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
     ``(groups, out / 8)``, ``g_idx`` ``(in,)`` (None: ``i // group_size``,
     0 meaning one group). ``zeros_minus_one``: the original GPTQ format, whose
     zero points are stored minus one (``checkpoint_format`` gptq); False for
-    gptq_v2."""
-    q = _nibbles_down_columns(qweight)
+    gptq_v2. The result is the transpose of a C-contiguous (out, in) array."""
+    words = np.asarray(qweight)
+    # Word row k holds input rows 8k..8k+7 of each column: the transposed
+    # words unpack along their rows straight into (out, in).
+    qt = _nibbles_along_rows(np.ascontiguousarray(words.T))
     sc = np.asarray(scales).astype(np.float32)
-    rows, cols = q.shape
+    cols, rows = qt.shape
     if sc.ndim != 2 or sc.shape[1] != cols:
         raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
     z = _nibbles_along_rows(qzeros)
@@ -187,7 +208,7 @@ def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
     if zeros_minus_one:
         z = z + 1  # uint8: 15 + 1 is 16, not 0
     g = _groups_of_rows(rows, sc.shape[0], group_size, g_idx, what)
-    return _apply_groups(q, z, sc, g)
+    return _apply_groups(qt, z, sc, g)
 
 
 def awq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray, *,
@@ -195,21 +216,18 @@ def awq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray, *,
     """float32 ``(in, out)`` weight of an AWQ GEMM module: ``qweight`` int32
     ``(in, out / 8)``, ``scales`` ``(groups, out)``, ``qzeros`` int32
     ``(groups, out / 8)``, both packed in :data:`AWQ_ORDER`; input row ``i``
-    uses group ``i // group_size`` (0: one group)."""
-    def natural(words: np.ndarray) -> np.ndarray:
-        n = _nibbles_along_rows(words)
-        return n.reshape(n.shape[0], -1, 8)[:, :, _AWQ_NIBBLE].reshape(n.shape)
-
-    q = natural(qweight)
+    uses group ``i // group_size`` (0: one group). The result is the
+    transpose of a C-contiguous (out, in) array."""
+    qt = _awq_transposed(qweight)
     sc = np.asarray(scales).astype(np.float32)
-    rows, cols = q.shape
+    cols, rows = qt.shape
     if sc.ndim != 2 or sc.shape[1] != cols:
         raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
-    z = natural(qzeros)
+    z = _awq_natural(qzeros)
     if z.shape != sc.shape:
         raise FormatError(f"{what}: qzeros {list(np.shape(qzeros))} do not fit scales {list(sc.shape)}")
     g = _groups_of_rows(rows, sc.shape[0], group_size, None, what)
-    return _apply_groups(q, z, sc, g)
+    return _apply_groups(qt, z, sc, g)
 
 
 def _decode(info: ExpertTensors, role: str, data: np.ndarray, scale: np.ndarray | None,

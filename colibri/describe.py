@@ -1,7 +1,7 @@
 """What `colibri inspect` reports about a checkpoint, as plain data.
 
 :func:`describe` gathers the routed experts' layers, counts, sizes,
-dtypes and format (plain, fp8_block, mxfp4, int4 with its group size;
+dtypes and format (plain, fp8_block, mxfp4, int4, gptq, gptq_v2, awq with its group size;
 fused gate_up and (in, out) orientation), the router's top-k when the model's ``config.json`` gives it, and,
 for a budget (slots per layer or bytes of RAM), the cache the store would
 build for it. :func:`render` turns that into the table and summary line the

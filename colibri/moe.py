@@ -21,8 +21,8 @@ Three steps, usable separately:
   block are the engine's business, not the store's.
 
 Experts may be of any layout and format the store reads (fused gate_up,
-(in, out) orientation, block-scaled FP8, MXFP4, int4), dequantized per leased
-expert with :func:`colibri.dequantize`; compute is float32.
+(in, out) orientation, block-scaled FP8, MXFP4, int4, GPTQ, AWQ), dequantized
+per leased expert with :func:`colibri.dequantize`; compute is float32.
 """
 
 from __future__ import annotations

@@ -80,9 +80,9 @@ class ExpertLease(LeaseBase):
     """One leased expert: ``gate``, ``up``, ``down`` are read-only numpy arrays
     over the cache slot, valid while the lease (or any array from it) lives;
     ``gate_scale``, ``up_scale``, ``down_scale`` are their scales (FP8
-    blocks, MXFP4, int4), else None. For a fused layout ``gate`` is the fused
-    gate_up and ``up`` is None. ``parts`` has every part by name (biases and
-    zero points too), ``tensors`` where each is in the files and how it is
+    blocks, MXFP4, int4, GPTQ, AWQ), else None. For a fused layout ``gate`` is
+    the fused gate_up and ``up`` is None. ``parts`` has every part by name
+    (biases, zero points and g_idx too), ``tensors`` where each is in the files and how it is
     stored; :func:`colibri.dequantize` turns any of them into float32 gate,
     up and down. ``layer``, ``expert`` and ``key`` name the expert.
 

@@ -89,7 +89,7 @@ def pack_rows(v: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> np.nda
 def _write_checkpoint(path: Path, scheme: str, *, layout: str = "mlp_experts",
                       g_idx: str | None = "act_order", config: str | None = "config.json",
                       scale_dtype: Any = np.float16, seed: int = 11,
-                      zero_range: tuple[int, int] = (0, 16),
+                      zero_range: tuple[int, int] = (0, 16), group: int = GROUP,
                       edit: Callable[[dict[str, np.ndarray]], None] | None = None) -> Path:
     """A two-shard MoE whose experts are GPTQ or AWQ modules of random words."""
     rng = np.random.default_rng(seed)
@@ -102,7 +102,7 @@ def _write_checkpoint(path: Path, scheme: str, *, layout: str = "mlp_experts",
             for role, (rows, cols) in (("gate", (HIDDEN, INTER)), ("up", (HIDDEN, INTER)),
                                        ("down", (INTER, HIDDEN))):
                 base = f"{prefix}.experts.{expert}.{ROLE_NAMES[layout][role]}."
-                groups = rows // GROUP
+                groups = rows // group if group > 0 else 1
                 q = rng.integers(0, 16, (rows, cols))
                 z = rng.integers(zero_range[0], zero_range[1], (groups, cols))
                 scales = (rng.standard_normal((groups, cols)) * 0.05).astype(scale_dtype)
@@ -110,9 +110,9 @@ def _write_checkpoint(path: Path, scheme: str, *, layout: str = "mlp_experts",
                     tensors[base + "qweight"] = pack_gptq_qweight(q)
                     tensors[base + "qzeros"] = pack_rows(z)
                     if g_idx == "act_order":  # desc_act: rows visited in another order
-                        tensors[base + "g_idx"] = rng.permutation(np.arange(rows) // GROUP).astype(np.int32)
+                        tensors[base + "g_idx"] = rng.permutation(np.arange(rows) // (group if group > 0 else rows)).astype(np.int32)
                     elif g_idx == "sorted":
-                        tensors[base + "g_idx"] = (np.arange(rows) // GROUP).astype(np.int32)
+                        tensors[base + "g_idx"] = (np.arange(rows) // (group if group > 0 else rows)).astype(np.int32)
                 else:
                     tensors[base + "qweight"] = pack_rows(q, AWQ_PACK_ORDER)
                     tensors[base + "qzeros"] = pack_rows(z, AWQ_PACK_ORDER)
@@ -128,7 +128,7 @@ def _write_checkpoint(path: Path, scheme: str, *, layout: str = "mlp_experts",
         weight_map.update({n: shard for n in chunk})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     if scheme.startswith("gptq"):
-        quant: dict[str, Any] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP,
+        quant: dict[str, Any] = {"quant_method": "gptq", "bits": 4, "group_size": group,
                                  "desc_act": g_idx == "act_order", "sym": False,
                                  "checkpoint_format": scheme}
     else:
@@ -163,6 +163,8 @@ CASES = {
     "gptq-mixtral-own-config": dict(scheme="gptq", layout="mixtral", g_idx="sorted", config="own"),
     # gptq_v2 stores zero points as they are; bf16 scales.
     "gptq-v2": dict(scheme="gptq_v2", scale_dtype="bf16", zero_range=(1, 16)),
+    # One group per column (group_size -1) with desc_act, as some Mixtral GPTQ releases are.
+    "gptq-per-column": dict(scheme="gptq", layout="mixtral", group=-1),
     # AWQ GEMM, config.json.
     "awq": dict(scheme="awq"),
     # AWQ with AutoAWQ's quant_config.json, Mixtral names.
@@ -190,16 +192,19 @@ def test_layout_and_parts_equal_safetensors(checkpoint: tuple[Path, dict[str, An
     model = scan_model(path)
     assert model.layout == layout and len(model.files) == 2
     ex = model.expert(1, 2)
-    assert (ex.scheme, ex.transposed, ex.fused, ex.group_size) == (case["scheme"], True, None, GROUP)
+    group = case.get("group", GROUP)
+    assert (ex.scheme, ex.transposed, ex.fused, ex.group_size) == (case["scheme"], True, None,
+                                                                   max(group, 0))
     assert ex.shape("gate") == (HIDDEN, INTER) and ex.shape("down") == (INTER, HIDDEN)
     assert ex.gate.name.endswith(f"experts.2.{ROLE_NAMES[layout]['gate']}.qweight")
-    assert ex.block_shape("down") == (GROUP, 1)
+    assert ex.block_shape("down") == (group if group > 0 else INTER, 1)
     has_g_idx = case["scheme"] != "awq" and case.get("g_idx", "act_order") is not None
     extras = ["gate_zero", "up_zero", "down_zero"] + (
         ["gate_g_idx", "up_g_idx", "down_g_idx"] if has_g_idx else [])
     assert [n for n, _ in ex.extras] == extras
     # Four bits per weight, plus scales, zero points (and g_idx): what the slot holds.
-    scale_bytes = 2 * (2 * (HIDDEN // GROUP) * INTER + (INTER // GROUP) * HIDDEN)
+    scale_bytes = 2 * (2 * (HIDDEN // group) * INTER + (INTER // group) * HIDDEN) if group > 0 \
+        else 2 * (2 * INTER + HIDDEN)
     zero_bytes = scale_bytes // 4
     assert ex.nbytes == 3 * HIDDEN * INTER // 2 + scale_bytes + zero_bytes \
         + (4 * (2 * HIDDEN + INTER) if has_g_idx else 0)
@@ -240,7 +245,7 @@ def test_two_ranges_per_expert(checkpoint: tuple[Path, dict[str, Any]]) -> None:
 
 
 def _reference_weight(scheme: str, tensors: dict[str, np.ndarray], base: str,
-                      auto_gptq: ModuleType, autoawq: ModuleType) -> Any:
+                      auto_gptq: ModuleType, autoawq: ModuleType, group: int = GROUP) -> Any:
     """(in, out) float32 weight of one module, decoded by the ecosystem's code."""
     qweight = torch.from_numpy(tensors[base + "qweight"])
     qzeros = torch.from_numpy(tensors[base + "qzeros"])
@@ -249,7 +254,7 @@ def _reference_weight(scheme: str, tensors: dict[str, np.ndarray], base: str,
     if scheme == "awq":
         return autoawq.dequantize_gemm(qweight, qzeros, scales, 4, GROUP)
     rows, cols = qweight.shape[0] * 8, qweight.shape[1]
-    layer = auto_gptq.QuantLinear(4, GROUP, rows, cols, bias=False, weight_dtype=torch.float32)
+    layer = auto_gptq.QuantLinear(4, group, rows, cols, bias=False, weight_dtype=torch.float32)
     if scheme == "gptq_v2":
         # AutoGPTQ reads the original format; gptq_v2 stores each zero point one higher.
         nibbles = (qzeros.numpy().view(np.uint32)[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 15
@@ -278,7 +283,7 @@ def test_dequantize_equals_references(checkpoint: tuple[Path, dict[str, Any]],
                 info = model.expert(layer, expert).weight(role)
                 assert info is not None
                 ref = _reference_weight(case["scheme"], tensors, info.name[: -len("qweight")],
-                                        auto_gptq, autoawq)
+                                        auto_gptq, autoawq, case.get("group", GROUP))
                 # Theirs is (in, out); dequantize gives the Mixtral orientation (out, in).
                 assert got[role].dtype == np.float32 and got[role].flags.c_contiguous
                 np.testing.assert_array_equal(got[role], ref.numpy().T)
@@ -318,7 +323,7 @@ def test_moe_block_equals_reference_modules(checkpoint: tuple[Path, dict[str, An
             ex = model.expert(1, int(e))
             g, u, d = (_reference_weight(case["scheme"], tensors,
                                          ex.weight(r).name[: -len("qweight")],  # type: ignore[union-attr]
-                                         auto_gptq, autoawq).double().numpy()
+                                         auto_gptq, autoawq, case.get("group", GROUP)).double().numpy()
                        for r in ("gate", "up", "down"))
             a, b = x[t] @ g, x[t] @ u  # (in, out): x @ W
             want[t] += w * ((a / (1 + np.exp(-a)) * b) @ d)
@@ -338,11 +343,13 @@ def test_inspect_shows_gptq_and_awq(checkpoint: tuple[Path, dict[str, Any]],
     path, case = checkpoint
     assert main(["inspect", str(path), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["layers"][0]
-    assert (row["format"], row["group_size"], row["orientation"]) == (case["scheme"], GROUP, "in_out")
+    group = case.get("group", GROUP)
+    assert (row["format"], row["group_size"], row["orientation"]) == (
+        case["scheme"], group if group > 0 else None, "in_out")
     assert row["bytes_per_expert"] == scan_model(path).expert_nbytes(0)
     assert row["parts"][:6] == ["gate", "up", "down", "gate_scale", "up_scale", "down_scale"]
     assert main(["inspect", str(path)]) == 0
-    assert f"{case['scheme']}/{GROUP}" in capsys.readouterr().out
+    assert (f"{case['scheme']}/{group}" if group > 0 else case["scheme"]) in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- hostile files
