@@ -1296,10 +1296,16 @@ def _module_quant_config(files: tuple[str, ...], modules: Mapping[str, Mapping[s
                               or not (group == -1 or group > 0)):
         raise FormatError(f"{where}: group_size {group!r} is neither -1 nor a positive size")
     group_size = None if group is None else max(group, 0)
+    # The packing: GPTQModel reads checkpoint_format, format and version as one field.
+    given = {key: cfg[key] for key in ("checkpoint_format", "format", "version")
+             if cfg.get(key) is not None}
+    packings = {v.lower() if isinstance(v, str) else v for v in given.values()}
+    if len(packings) > 1:
+        raise FormatError(f"{where}: " + ", ".join(f"{k} {v!r}" for k, v in given.items())
+                          + " disagree about the packing")
+    fmt = packings.pop() if packings else ("gptq" if method == "gptq" else "gemm")
     scheme: str
     if method == "gptq":
-        fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
-        fmt = fmt.lower() if isinstance(fmt, str) else fmt
         if fmt not in ("gptq", "gptq_v2") or cfg.get("is_marlin_format"):
             raise FormatError(f"{where}: GPTQ checkpoint format "
                               f"{'marlin' if cfg.get('is_marlin_format') else fmt!r}; only the "
@@ -1311,10 +1317,8 @@ def _module_quant_config(files: tuple[str, ...], modules: Mapping[str, Mapping[s
             raise FormatError(f"{where}: per-module overrides ('dynamic') are not supported")
         scheme = GPTQ_V2 if fmt == "gptq_v2" else GPTQ
     else:
-        version = cfg.get("version", "gemm")
-        version = version.lower() if isinstance(version, str) else version
-        if version != "gemm":
-            raise FormatError(f"{where}: AWQ version {version!r}; only the GEMM packing is "
+        if fmt != "gemm":
+            raise FormatError(f"{where}: AWQ version {fmt!r}; only the GEMM packing is "
                               "supported")
         if cfg.get("zero_point", True) is not True:
             raise FormatError(f"{where}: AWQ without zero points is not supported")

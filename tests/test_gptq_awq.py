@@ -412,9 +412,13 @@ def test_hostile_tensors(tmp_path: Path, scheme: str, edit: Any, needle: str) ->
     ("gptq", {"quant_method": "compressed-tensors"}, "quant_method"),
     ("awq", {"version": "gemv"}, "'gemv'"),
     ("awq", {"version": "exllama"}, "'exllama'"),
+    ("awq", {"version": None, "format": "gemv_fast"}, "'gemv_fast'"),  # GPTQModel's name for it
+    ("gptq", {"checkpoint_format": None, "format": "gptq_p"}, "'gptq_p'"),
+    ("gptq", {"format": "gptq_v2"}, "disagree"),
     ("awq", {"zero_point": False}, "zero points"),
     ("awq", {"bits": 8}, "bits 8"),
-    ("awq", {"quant_method": "gptq"}, "scales"),  # AWQ words read as GPTQ do not fit
+    ("awq", {"quant_method": "gptq"}, "'gemm'"),
+    ("awq", {"quant_method": "gptq", "version": None}, "scales"),  # AWQ words read as GPTQ do not fit
 ])
 def test_hostile_configs(tmp_path: Path, scheme: str, change: dict[str, Any], needle: str) -> None:
     path = _write_checkpoint(tmp_path, scheme)
