@@ -460,3 +460,41 @@ def test_mixed_with_plain_or_pack_quantized_experts_is_refused(tmp_path: Path) -
         t["model.layers.0.mlp.experts.9.gate_proj.weight_shape"] = np.array([INTER, HIDDEN], np.int64)
 
     _expect_format_error(_write_checkpoint(tmp_path, "gptq", edit=packed), "mixes")
+
+
+def test_c_core_checks_the_packed_sizes(tmp_path: Path) -> None:
+    """The C core's own check of the two formats: GPTQ words hold whole groups
+    of eight input rows, AWQ words eight output columns, four bits each."""
+    from colibri._ffi import ffi, lib
+
+    path = tmp_path / "one.safetensors"
+    save_file({"x": np.zeros(512, np.uint8)}, str(path))
+    offset = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+    def create(fmt: int, rows: int, cols: int, nbytes: int) -> tuple[int, bytes]:
+        src = ffi.new("ColiExpertSource *")
+        for r, role in enumerate(("gate", "up", "down")):
+            t = getattr(src, role)
+            t.file, t.offset, t.nbytes, t.format = 0, offset + 64 * r, nbytes, fmt
+            t.rows, t.columns = rows, cols
+            # one F16 scale per column (a group of all the input rows), after the words
+            t.scale_format, t.scale_file, t.scale_offset = lib.COLI_SCALE_F16, 0, offset + 256 + 64 * r
+            t.scale_nbytes, t.block_rows, t.block_columns = 2 * cols, rows, 1
+        cfg = ffi.new("ColiLruConfig *")
+        name = ffi.new("char[]", str(path).encode())
+        files = ffi.new("const char *[]", [name])
+        cfg.files, cfg.n_files, cfg.experts, cfg.n_experts = files, 1, src, 1
+        cfg.slots_per_layer = 1
+        out = ffi.new("ColiExpertStore **")
+        err = ffi.new("char[]", 256)
+        rc = lib.coli_lru_store_create(cfg, out, err, 256)
+        if rc == 0:
+            out[0].ops.destroy(out[0])
+        return rc, ffi.string(err)
+
+    gptq, awq = lib.COLI_TENSOR_INT4_GPTQ, lib.COLI_TENSOR_INT4_AWQ
+    assert create(gptq, 16, 8, 64) == (0, b"") and create(awq, 4, 16, 32) == (0, b"")
+    rc, err = create(gptq, 12, 8, 48)  # 12 input rows: a word and a half
+    assert rc == lib.COLI_ECONFIG and b"not whole words" in err
+    assert b"not whole words" in create(awq, 4, 12, 24)[1]
+    assert b"do not match" in create(gptq, 16, 8, 60)[1]
