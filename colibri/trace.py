@@ -32,12 +32,10 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
-from colibri._npz import load_npz, save_npz_atomically
+from colibri._npz import PathLike, load_npz, save_npz_atomically
 from colibri.errors import FormatError
 
 __all__ = ["Trace", "TraceRecorder"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 _REQUIRED = ("layers", "experts")
 _OPTIONAL = ("weights", "sequence", "num_experts")

@@ -29,16 +29,14 @@ import hashlib
 import operator
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from colibri._npz import load_npz, save_npz_atomically
+from colibri._npz import PathLike, load_npz, save_npz_atomically
 from colibri.errors import FormatError
 
 __all__ = ["Usage", "model_fingerprint", "DEFAULT_HALF_LIFE"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Requests of a layer after which older counts weigh half (a few hundred tokens of a top-8 model).
 DEFAULT_HALF_LIFE = 4096.0
