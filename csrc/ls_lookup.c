@@ -54,22 +54,27 @@ static int wait_for_room(LsStore *s, LsLayer *L, RoomWait *w) {
     return ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &w->deadline : NULL);
 }
 
+/* Reads the expert of v, which the caller has claimed (READING), into its
+ * memory as a demand read: prefetch readers pause for it. Called and
+ * returns with L->mu held; drops it to read (a replay store reads nothing
+ * and keeps it). */
+static int read_claimed(LsStore *s, LsLayer *L, LsSlot *v, uint64_t *nread, char *err, size_t n) {
+    const ColiReadPlan *plan = &L->entries[v->expert].plan;
+    if (s->replay) return ls_read(s, plan, v->mem, NULL, nread, err, n);
+    pthread_mutex_unlock(&L->mu);
+    ls_demand_begin(s);
+    int rc = ls_read(s, plan, v->mem, NULL, nread, err, n);
+    ls_demand_end(s);
+    pthread_mutex_lock(&L->mu);
+    return rc;
+}
+
 /* Reads v's expert, which the caller has claimed (READING), and leases it to
- * view. Called and returns with L->mu held; drops it to read. */
+ * view. Called and returns with L->mu held. */
 static int demand_read(LsStore *s, LsLayer *L, LsSlot *v, ColiExpertView *view, char *err,
                        size_t n) {
-    LsEntry *e = &L->entries[v->expert];
     uint64_t nread = 0;
-    int rc;
-    if (s->replay) {              /* nothing to read: no reason to drop the lock */
-        rc = ls_read(s, &e->plan, v->mem, NULL, &nread, err, n);
-    } else {
-        pthread_mutex_unlock(&L->mu);
-        ls_demand_begin(s);
-        rc = ls_read(s, &e->plan, v->mem, NULL, &nread, err, n);
-        ls_demand_end(s);
-        pthread_mutex_lock(&L->mu);
-    }
+    int rc = read_claimed(s, L, v, &nread, err, n);
     ls_slot_finish_load(s, L, v, rc, nread, 1);
     if (rc == COLI_OK) ls_fill_view(view, v);
     return rc;
@@ -337,18 +342,9 @@ static int batch_read(Batch *b) {
         uint64_t nread = 0;
         if (v->batch == LS_BATCH_NONE || v->batch == LS_BATCH_QUEUED) {
             v->batch = LS_BATCH_NONE;
-            char local[LS_ERRLEN];
-            const ColiReadPlan *plan = &L->entries[v->expert].plan;
-            if (!s->replay) {
-                pthread_mutex_unlock(&L->mu);
-                ls_demand_begin(s);
-            }
-            r = ls_read(s, plan, v->mem, NULL, &nread,
-                        rc == COLI_OK ? b->err : local, rc == COLI_OK ? b->n : sizeof local);
-            if (!s->replay) {
-                ls_demand_end(s);
-                pthread_mutex_lock(&L->mu);
-            }
+            char local[LS_ERRLEN];   /* only the first failure's message is kept */
+            r = read_claimed(s, L, v, &nread, rc == COLI_OK ? b->err : local,
+                             rc == COLI_OK ? b->n : sizeof local);
         } else {
             while (v->batch != LS_BATCH_DONE) ls_layer_wait(L, NULL);
             v->batch = LS_BATCH_NONE;
