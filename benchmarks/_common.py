@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark scripts: timing, tables, goals, JSON.
+"""Shared helpers of the benchmark scripts: timing, tables, goals, JSON, the page cache.
 
 Every benchmark measures its baseline in the same run and reports ratios
 against it next to the absolute numbers. Goals (docs/performance.md) are marked
@@ -200,17 +200,24 @@ def fadvise_dontneed(paths: Sequence[os.PathLike[str] | str]) -> None:
             os.close(fd)
 
 
-def drop_page_cache(paths: Sequence[os.PathLike[str] | str] = ()) -> str:
-    """Empties the page cache: ``sync; echo 3 > drop_caches`` when permitted,
-    else ``POSIX_FADV_DONTNEED`` on ``paths``. Returns the method used."""
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``: whether it was permitted."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        return "drop_caches"
+        return True
     except OSError:
-        fadvise_dontneed(paths)
-        return "fadvise"
+        return False
+
+
+def drop_page_cache(paths: Sequence[os.PathLike[str] | str] = ()) -> str:
+    """Empties the page cache: :func:`drop_caches` when permitted, else
+    ``POSIX_FADV_DONTNEED`` on ``paths``. Returns the method used."""
+    if drop_caches():
+        return "drop_caches"
+    fadvise_dontneed(paths)
+    return "fadvise"
 
 
 def can_drop_caches() -> bool:
@@ -218,6 +225,7 @@ def can_drop_caches() -> bool:
 
 
 def warm_page_cache(paths: Sequence[os.PathLike[str] | str]) -> None:
+    """Reads these files whole, so that their pages are cached."""
     buf = bytearray(16 << 20)
     for p in paths:
         with open(p, "rb", buffering=0) as f:

@@ -87,7 +87,6 @@ import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import struct  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -100,7 +99,7 @@ import colibri  # noqa: E402
 from colibri.pilot import Pilot  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fadvise_dontneed  # noqa: E402
+from _common import drop_caches, fadvise_dontneed, warm_page_cache  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "decode_sim.json"
 MB = 1e6
@@ -160,28 +159,6 @@ def write_model(directory: Path, *, layers: int, experts: int, hidden: int, inte
         f.flush()
         os.fsync(f.fileno())
     return {"path": directory, "files": [path], "bytes": path.stat().st_size}
-
-
-# ---------------------------------------------------------------------------
-# page cache control
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def warm_page_cache(files) -> None:
-    buf = bytearray(16 << 20)
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 # ---------------------------------------------------------------------------

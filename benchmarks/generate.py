@@ -75,6 +75,9 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import drop_caches  # noqa: E402
+
 DEFAULT_JSON = HERE / "results" / "generate.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 MB = 1e6
@@ -173,16 +176,6 @@ def safetensors_sizes(directory: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------
 # cold starts: page cache and memory cgroups
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 class MemoryCgroup:

@@ -68,10 +68,10 @@ def read_top_k(source: Any) -> int | None:
 
 
 def _cache(model: ModelExperts, slots: int | None, ram_bytes: int | None) -> dict[str, Any]:
-    from colibri.store import Store  # the store needs the compiled core; describing does not
+    from colibri.store import Store, StoreOptions  # the store needs the compiled core; describing does not
 
-    store = Store(model, slots_per_layer=slots, capacity_bytes=ram_bytes, prefetch_workers=0,
-                  direct_io=False, slot_wait_timeout=0.0)
+    store = Store(model, StoreOptions(slots_per_layer=slots, capacity_bytes=ram_bytes, prefetch_workers=0,
+                                      direct_io=False, slot_wait_timeout=0.0))
     try:
         per_layer = {layer: store.slots(layer) for layer in model.layers}
         capacity = store.stats().capacity_bytes

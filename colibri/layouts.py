@@ -82,6 +82,19 @@ ROLES: tuple[str, str, str] = ("gate", "up", "down")
 _NUMBER = re.compile(r"[0-9]+")
 
 
+def _match_role(pattern: Union[re.Pattern[str], str], roles: Mapping[str, str],
+                name: str) -> tuple[re.Match[str], str] | None:
+    """The full match of ``name`` against a layout's (compiled) pattern and
+    the role its ``role`` group maps to; None if it does not match or names
+    no role of ``roles``."""
+    assert isinstance(pattern, re.Pattern)
+    found = pattern.fullmatch(name)
+    if found is None:
+        return None
+    role = roles.get(found.group("role"))
+    return None if role is None else (found, role)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A naming scheme for routed-expert weights.
@@ -151,14 +164,10 @@ class Layout:
 
     def match(self, name: str) -> tuple[int, int, str] | None:
         """``(layer, expert, role)`` if ``name`` is an expert weight, else None."""
-        pattern = self.pattern
-        assert isinstance(pattern, re.Pattern)
-        found = pattern.fullmatch(name)
-        if found is None:
+        hit = _match_role(self.pattern, self.roles, name)
+        if hit is None:
             return None
-        role = self.roles.get(found.group("role"))
-        if role is None:
-            return None
+        found, role = hit
         numbers = []
         for group in ("layer", "expert"):
             text = found.group(group)
@@ -496,14 +505,12 @@ class StackedLayout:
 
     def match_base(self, name: str) -> tuple[int, str] | None:
         """``(layer, role)`` if ``name`` is a role tensor (no suffix), else None."""
-        pattern = self.pattern
-        assert isinstance(pattern, re.Pattern)
-        found = pattern.fullmatch(name)
-        if found is None:
+        hit = _match_role(self.pattern, self.roles, name)
+        if hit is None:
             return None
-        role = self.roles.get(found.group("role"))
+        found, role = hit
         text = found.group("layer")
-        if role is None or text is None or not _NUMBER.fullmatch(text):
+        if text is None or not _NUMBER.fullmatch(text):
             return None
         return int(text), role
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from colibri.errors import FormatError
 from colibri.replay import ReplayResult, _distinct_rows, _widest, replay
+from colibri.store import POLICIES
 from colibri.trace import Trace
 from colibri.usage import Usage
 
@@ -51,13 +52,8 @@ __all__ = ["plan", "Plan", "lru_curves", "available_policies"]
 
 
 def available_policies() -> tuple[str, ...]:
-    """The eviction policies replay can run in this build."""
-    import colibri
-    from colibri import store as _store
-
-    if not hasattr(_store, "open_replay_store"):
-        return ("lru",)
-    return tuple(getattr(colibri, "POLICIES", ("lru",)))
+    """The eviction policies replay can run: every policy of the C core."""
+    return POLICIES
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ from typing import Any, Iterable, Mapping, Union
 import numpy as np
 
 from colibri.errors import FormatError
+from colibri.store import open_replay_store
 from colibri.trace import Trace
+from colibri.usage import Usage, warm_order
 
 __all__ = ["replay", "belady", "ReplayResult", "LayerResult", "resolve_slots", "SlotsSpec"]
 
@@ -171,47 +173,11 @@ def replay(
             raise FormatError(
                 f"layer {layer}: {len(experts)} pinned experts leave no slot of its {slots[layer]} for the rest"
             )
-    from colibri import store as _store
-
-    opener = getattr(_store, "open_replay_store", None)
-    if opener is None:
-        if policy != "lru" or usage is not None:
-            raise FormatError(f"policy {policy!r} needs the store's replay mode, which this build lacks")
-        return _replay_python(trace, slots, pins)
     warm = _warm_from(usage, trace, slots, pins) if usage is not None else []
-    return _replay_c(opener, trace, slots, pins, policy, warm)
-
-
-def _warm_from(usage: Any, trace: Trace, slots: dict[int, int],
-               pins: dict[int, list[int]]) -> list[tuple[int, int]]:
-    """What ``warm_start`` would load from this history: each layer's
-    hottest unpinned experts, as many as its unpinned slots, hottest last."""
-    from colibri.usage import Usage, warm_order
-
-    if isinstance(usage, Trace):
-        usage = Usage.from_trace(usage)
-    if not isinstance(usage, Usage):
-        raise FormatError(f"usage must be a colibri.Usage or a colibri.Trace, not {type(usage).__name__}")
-    for layer in trace.layers.tolist():
-        if layer not in usage.layers or usage.num_experts(layer) != trace.num_experts:
-            raise FormatError(f"usage: its layer {layer} does not match the trace's "
-                              f"({trace.num_experts} experts)")
-    room = {layer: slots[layer] - len(pins[layer]) for layer in slots}
-    return warm_order(usage, room, [(layer, e) for layer in pins for e in pins[layer]])
-
-
-def _replay_c(
-    opener: Any, trace: Trace, slots: dict[int, int], pins: dict[int, list[int]], policy: str,
-    warm: list[tuple[int, int]],
-) -> ReplayResult:
     layers = trace.layers.tolist()
-    kwargs: dict[str, Any] = dict(expert_nbytes=1, slots_per_layer=slots, policy=policy)
     pin_list = [(layer, e) for layer in layers for e in pins[layer]]
-    if pin_list:
-        kwargs["pin"] = pin_list
-    if warm:
-        kwargs["warm"] = warm
-    store = opener({layer: trace.num_experts for layer in layers}, **kwargs)
+    store = open_replay_store({layer: trace.num_experts for layer in layers}, slots_per_layer=slots,
+                              policy=policy, pin=pin_list or None, warm=warm or None)
     try:
         store.replay_tokens(trace.layers, trace.experts)
         per = {}
@@ -226,45 +192,20 @@ def _replay_c(
     return ReplayResult.from_layers(policy, per)
 
 
-def _replay_python(trace: Trace, slots: dict[int, int], pins: dict[int, list[int]]) -> ReplayResult:
-    """Per-layer LRU with lease_many semantics, in Python (used only where
-    the C replay mode is missing)."""
-    per: dict[int, LayerResult] = {}
-    for col, layer in enumerate(trace.layers.tolist()):
-        pinned = set(pins[layer])
-        room = slots[layer] - len(pinned)
-        order: dict[int, None] = {}  # LRU first
-        hits = misses = evictions = persistent = 0
-        for row in _distinct_rows(trace, col):
-            if not row:
-                continue
-            need = 0
-            for e in row:
-                if e in pinned:
-                    hits += 1
-                    persistent += 1
-                elif e in order:
-                    hits += 1
-                else:
-                    misses += 1
-                    need += 1
-            if need:
-                over = len(order) + need - room
-                for victim in list(order):
-                    if over <= 0:
-                        break
-                    if victim not in row:
-                        del order[victim]
-                        evictions += 1
-                        over -= 1
-                if over > 0:
-                    raise FormatError(f"layer {layer}: a token's experts do not fit beside its pins")
-            for e in row:  # released in order: the last one is the most recent
-                if e not in pinned:
-                    order.pop(e, None)
-                    order[e] = None
-        per[layer] = LayerResult(slots[layer], hits + misses, hits, misses, evictions, persistent)
-    return ReplayResult.from_layers("lru", per)
+def _warm_from(usage: Any, trace: Trace, slots: dict[int, int],
+               pins: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """What ``warm_start`` would load from this history: each layer's
+    hottest unpinned experts, as many as its unpinned slots, hottest last."""
+    if isinstance(usage, Trace):
+        usage = Usage.from_trace(usage)
+    if not isinstance(usage, Usage):
+        raise FormatError(f"usage must be a colibri.Usage or a colibri.Trace, not {type(usage).__name__}")
+    for layer in trace.layers.tolist():
+        if layer not in usage.layers or usage.num_experts(layer) != trace.num_experts:
+            raise FormatError(f"usage: its layer {layer} does not match the trace's "
+                              f"({trace.num_experts} experts)")
+    room = {layer: slots[layer] - len(pins[layer]) for layer in slots}
+    return warm_order(usage, room, [(layer, e) for layer in pins for e in pins[layer]])
 
 
 def belady(trace: Trace, slots_per_layer: SlotsSpec, *, warm: bool = False) -> ReplayResult:

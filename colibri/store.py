@@ -15,6 +15,7 @@ import logging
 import math
 import operator
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence, Union
 
 import numpy as np
@@ -142,6 +143,28 @@ class LeaseGroup(tuple):  # type: ignore[type-arg]
         self.__exit__()
 
 
+@dataclass(frozen=True)
+class StoreOptions:
+    """What a C store is created with (its ``ColiLruConfig``), as
+    :func:`open_store` and :func:`open_replay_store` checked them."""
+
+    slots_per_layer: SlotsPerLayer | None
+    capacity_bytes: int | None
+    prefetch_workers: int
+    direct_io: bool
+    slot_wait_timeout: float | None
+    prefetch_queue_depth: int = 0
+    demand_first: bool = True
+    prefetch_chunk_bytes: int = 0
+    read_chunk_bytes: int = 0
+    read_advice: bool = True
+    policy: str = "lru"
+    pin: Sequence[tuple[int, int]] = ()
+    warm: Sequence[tuple[int, int]] = ()
+    #: a replay store, whose experts count this many bytes and are never read
+    replay_expert_nbytes: int | None = None
+
+
 class Store:
     """A bounded, per-layer LRU cache of a model's routed experts.
 
@@ -151,47 +174,13 @@ class Store:
 
     _usage: Any = None  # a colibri.usage.UsageTracker with open_store(usage_file=...)
 
-    def __init__(
-        self,
-        model: ModelExperts,
-        *,
-        slots_per_layer: SlotsPerLayer | None,
-        capacity_bytes: int | None,
-        prefetch_workers: int,
-        direct_io: bool,
-        slot_wait_timeout: float | None,
-        prefetch_queue_depth: int = 0,
-        demand_first: bool = True,
-        prefetch_chunk_bytes: int = 0,
-        read_chunk_bytes: int = 0,
-        read_advice: bool = True,
-        policy: str = "lru",
-        pin: Sequence[tuple[int, int]] = (),
-        warm: Sequence[tuple[int, int]] = (),
-        replay_expert_nbytes: int | None = None,
-    ) -> None:
+    def __init__(self, model: ModelExperts, options: StoreOptions) -> None:
         self.model = model
         self._closed = False
         #: True for a replay store (:func:`open_replay_store`): no bytes, no files
-        self.replay = replay_expert_nbytes is not None
-        self.policy = policy
-        self._handle = _create_handle(
-            model,
-            slots_per_layer=slots_per_layer,
-            capacity_bytes=capacity_bytes,
-            prefetch_workers=prefetch_workers,
-            direct_io=direct_io,
-            slot_wait_timeout=slot_wait_timeout,
-            prefetch_queue_depth=prefetch_queue_depth,
-            demand_first=demand_first,
-            prefetch_chunk_bytes=prefetch_chunk_bytes,
-            read_chunk_bytes=read_chunk_bytes,
-            read_advice=read_advice,
-            policy=policy,
-            pin=pin,
-            warm=warm,
-            replay_expert_nbytes=replay_expert_nbytes,
-        )
+        self.replay = options.replay_expert_nbytes is not None
+        self.policy = options.policy
+        self._handle = _create_handle(model, options)
         self._ops = self._handle.ops
         self._lease: Any
         if self.replay:
@@ -221,8 +210,8 @@ class Store:
             LeaseError,
         )
         self._lease = self._leaser.lease
-        self.prefetch_workers = prefetch_workers
-        self._direct = direct_io and not lib.coli_lru_direct_io_fallback(self._handle)
+        self.prefetch_workers = options.prefetch_workers
+        self._direct = options.direct_io and not lib.coli_lru_direct_io_fallback(self._handle)
 
     @property
     def direct_io(self) -> bool:
@@ -582,34 +571,17 @@ def _destroy_handle(handle: Any) -> None:
     handle.ops.destroy(handle)
 
 
-def _create_handle(
-    model: ModelExperts,
-    *,
-    slots_per_layer: SlotsPerLayer | None,
-    capacity_bytes: int | None,
-    prefetch_workers: int,
-    direct_io: bool,
-    slot_wait_timeout: float | None,
-    prefetch_queue_depth: int,
-    demand_first: bool,
-    prefetch_chunk_bytes: int,
-    read_chunk_bytes: int,
-    read_advice: bool,
-    policy: str,
-    pin: Sequence[tuple[int, int]],
-    warm: Sequence[tuple[int, int]],
-    replay_expert_nbytes: int | None,
-) -> Any:
+def _create_handle(model: ModelExperts, o: StoreOptions) -> Any:
     keys = list(model.keys())
     sources = ffi.new("ColiExpertSource[]", len(keys))
     keep: list[Any] = []  # extra parts' arrays, alive until the store copied them
     for i, (layer, expert) in enumerate(keys):
         src = sources[i]
         src.layer, src.expert = layer, expert
-        if replay_expert_nbytes is not None:
+        if o.replay_expert_nbytes is not None:
             # Never read: the bytes only size the slots and count bytes_read.
-            src.gate.nbytes = replay_expert_nbytes
-            src.up.offset = src.down.offset = replay_expert_nbytes
+            src.gate.nbytes = o.replay_expert_nbytes
+            src.up.offset = src.down.offset = o.replay_expert_nbytes
             continue
         ex = model.expert(layer, expert)
         for role in ROLES:
@@ -629,29 +601,29 @@ def _create_handle(
     cfg.n_files = len(paths)
     cfg.experts = sources
     cfg.n_experts = len(keys)
-    if isinstance(slots_per_layer, Mapping):
-        layer_slots = ffi.new("uint32_t[]", [slots_per_layer[layer] for layer in model.layers])
+    if isinstance(o.slots_per_layer, Mapping):
+        layer_slots = ffi.new("uint32_t[]", [o.slots_per_layer[layer] for layer in model.layers])
         cfg.layer_slots = layer_slots
         cfg.n_layer_slots = len(model.layers)
     else:
-        cfg.slots_per_layer = slots_per_layer or 0
-    cfg.capacity_bytes = capacity_bytes or 0
-    cfg.policy = POLICIES.index(policy)
-    pinned = ffi.new("ColiExpertKey[]", list(pin)) if pin else ffi.NULL
+        cfg.slots_per_layer = o.slots_per_layer or 0
+    cfg.capacity_bytes = o.capacity_bytes or 0
+    cfg.policy = POLICIES.index(o.policy)
+    pinned = ffi.new("ColiExpertKey[]", list(o.pin)) if o.pin else ffi.NULL
     cfg.pinned = pinned
-    cfg.n_pinned = len(pin)
-    warm_keys = ffi.new("ColiExpertKey[]", list(warm)) if warm else ffi.NULL
+    cfg.n_pinned = len(o.pin)
+    warm_keys = ffi.new("ColiExpertKey[]", list(o.warm)) if o.warm else ffi.NULL
     cfg.warm = warm_keys
-    cfg.n_warm = len(warm)
-    cfg.replay = int(replay_expert_nbytes is not None)
-    cfg.prefetch_workers = prefetch_workers
-    cfg.prefetch_queue_depth = prefetch_queue_depth
-    cfg.direct_io = int(bool(direct_io))
-    cfg.slot_wait_timeout_ns = _nanoseconds(slot_wait_timeout)
-    cfg.prefetch_never_pauses = int(not demand_first)
-    cfg.prefetch_chunk_bytes = prefetch_chunk_bytes
-    cfg.read_chunk_bytes = read_chunk_bytes
-    cfg.read_without_advice = int(not read_advice)
+    cfg.n_warm = len(o.warm)
+    cfg.replay = int(o.replay_expert_nbytes is not None)
+    cfg.prefetch_workers = o.prefetch_workers
+    cfg.prefetch_queue_depth = o.prefetch_queue_depth
+    cfg.direct_io = int(bool(o.direct_io))
+    cfg.slot_wait_timeout_ns = _nanoseconds(o.slot_wait_timeout)
+    cfg.prefetch_never_pauses = int(not o.demand_first)
+    cfg.prefetch_chunk_bytes = o.prefetch_chunk_bytes
+    cfg.read_chunk_bytes = o.read_chunk_bytes
+    cfg.read_without_advice = int(not o.read_advice)
     out = ffi.new("ColiExpertStore **")
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)
@@ -880,8 +852,7 @@ def open_store(
         log.info("direct_io=auto: %s", why)
     else:
         direct = direct_io
-    store = Store(
-        model,
+    store = Store(model, StoreOptions(
         slots_per_layer=slots_per_layer,
         capacity_bytes=capacity_bytes,
         prefetch_workers=prefetch_workers,
@@ -895,7 +866,7 @@ def open_store(
         policy=policy,
         pin=pins,
         warm=warms,
-    )
+    ))
     if direct_io is True and not store.direct_io:
         log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
     if history is not None and usage_file is not None:
@@ -934,8 +905,7 @@ def open_replay_store(
     expert_nbytes = _count(expert_nbytes, "expert_nbytes", minimum=1, maximum=1 << 40)
     model = ModelExperts(files=(), layout="replay", experts=experts)
     _nanoseconds(slot_wait_timeout)
-    return Store(
-        model,
+    return Store(model, StoreOptions(
         slots_per_layer=_slots(slots_per_layer, model.layers),
         capacity_bytes=None,
         prefetch_workers=0,
@@ -945,4 +915,4 @@ def open_replay_store(
         pin=_pins(pin),
         warm=_pins(warm, "warm"),
         replay_expert_nbytes=expert_nbytes,
-    )
+    ))

@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["WORDS", "write_tiny_moe"]
+__all__ = ["WORDS", "randomize_weights", "write_tiny_moe"]
 
 #: The tokenizer's vocabulary after its special tokens.
 WORDS = tuple(
@@ -74,6 +74,21 @@ def _tokenizer() -> Any:
                                    eos_token="<eos>")
 
 
+def randomize_weights(model: Any, seed: int) -> None:
+    """Gives a transformers model well-spread random weights, seeded (the
+    default init leaves routers at zero, so routing would be all ties), and
+    DeepSeek-V3-style routers a random score-correction bias."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.2)
+
+
 def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", *,
                    dtype: str = "bfloat16", hidden_size: int = 64, seed: int = 0,
                    fp8_block: int | None = None, int4_group: int | None = None,
@@ -102,14 +117,7 @@ def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", 
     config = getattr(transformers, config_name)(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # Well-spread weights: the default init leaves routers at zero (ties everywhere).
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand(b.shape, generator=gen) * 0.2)
+    randomize_weights(model, seed)
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     out = os.fspath(path)

@@ -32,15 +32,13 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
-from colibri._atomic import save_npz_atomically
+from colibri._npz import PathLike, load_npz, save_npz_atomically
 from colibri.errors import FormatError
 
 __all__ = ["Trace", "TraceRecorder"]
 
-PathLike = Union[str, "os.PathLike[str]"]
-
 _REQUIRED = ("layers", "experts")
-_KNOWN = ("layers", "experts", "weights", "sequence", "num_experts")
+_OPTIONAL = ("weights", "sequence", "num_experts")
 
 
 def _int_array(value: Any, name: str, ndim: int, where: str) -> np.ndarray:
@@ -222,21 +220,7 @@ class Trace:
     def load(cls, path: PathLike) -> "Trace":
         """Read a trace ``.npz``; a missing, malformed or inconsistent file is
         a FormatError naming it."""
-        where = os.fspath(path)
-        try:
-            with np.load(where, allow_pickle=False) as z:
-                if not isinstance(z, np.lib.npyio.NpzFile):
-                    raise FormatError(f"{where}: not a .npz archive of arrays")
-                missing = [n for n in _REQUIRED if n not in z.files]
-                if missing:
-                    raise FormatError(f"{where}: not a routing trace: no {', '.join(missing)} array")
-                arrays = {n: z[n] for n in _KNOWN if n in z.files}
-        except FormatError:
-            raise
-        except FileNotFoundError:
-            raise FormatError(f"{where}: no such trace file") from None
-        except Exception as exc:  # zipfile and numpy raise many kinds on damaged bytes
-            raise FormatError(f"{where}: not a readable trace .npz ({exc})") from None
+        where, arrays = load_npz(path, "routing trace file", _REQUIRED, _OPTIONAL)
         raw = arrays.get("num_experts")
         n_experts: int | None = None
         if raw is not None:

@@ -29,16 +29,14 @@ import hashlib
 import operator
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from colibri._atomic import save_npz_atomically
+from colibri._npz import PathLike, load_npz, save_npz_atomically
 from colibri.errors import FormatError
 
 __all__ = ["Usage", "model_fingerprint", "DEFAULT_HALF_LIFE"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Requests of a layer after which older counts weigh half (a few hundred tokens of a top-8 model).
 DEFAULT_HALF_LIFE = 4096.0
@@ -249,21 +247,7 @@ class Usage:
         as it is, labelled with ``fingerprint``; :meth:`conform` fits it to
         the model's layers). A corrupt or truncated file is a FormatError
         naming it; nothing is returned half-read."""
-        where = os.fspath(path)
-        try:
-            with np.load(where, allow_pickle=False) as z:
-                if not isinstance(z, np.lib.npyio.NpzFile):
-                    raise FormatError(f"{where}: not a colibri usage file (.npz)")
-                missing = [n for n in _ARRAYS + ("digest",) if n not in z.files]
-                if missing:
-                    raise FormatError(f"{where}: not a colibri usage file: no {', '.join(missing)}")
-                arrays = {n: z[n] for n in _ARRAYS + ("digest",)}
-        except FormatError:
-            raise
-        except FileNotFoundError:
-            raise FormatError(f"{where}: no such usage file") from None
-        except Exception as exc:  # zipfile and numpy raise many kinds on damaged bytes
-            raise FormatError(f"{where}: corrupt or truncated usage file ({exc})") from None
+        where, arrays = load_npz(path, "colibri usage file", _ARRAYS + ("digest",))
         if not np.array_equal(arrays["digest"], _digest(arrays)):
             raise FormatError(f"{where}: corrupt usage file (its digest does not match its contents)")
         if int(arrays["version"]) != _VERSION:

@@ -33,22 +33,48 @@ int ls_layer_wait(LsLayer *L, const struct timespec *deadline) {
     return rc;
 }
 
+/* A wait for room in a layer none of whose slots a lookup could take. While
+ * a load is in flight it waits for that load, which frees or fills a slot.
+ * Else every slot is leased and it waits for a release, up to the store's
+ * timeout counted from the lookup's first such wait (which counts one
+ * slot_wait). Returns ETIMEDOUT once that timeout has passed, else 0.
+ * Called with L->mu held. */
+typedef struct {
+    bool started;
+    struct timespec deadline;
+} RoomWait;
+
+static int wait_for_room(LsStore *s, LsLayer *L, RoomWait *w) {
+    if (L->loading > 0) return ls_layer_wait(L, NULL);
+    if (!w->started) {
+        w->started = true;
+        L->c.slot_waits++;
+        if (s->wait_timeout_ns >= 0) ls_deadline_after(&w->deadline, s->wait_timeout_ns);
+    }
+    return ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &w->deadline : NULL);
+}
+
+/* Reads the expert of v, which the caller has claimed (READING), into its
+ * memory as a demand read: prefetch readers pause for it. Called and
+ * returns with L->mu held; drops it to read (a replay store reads nothing
+ * and keeps it). */
+static int read_claimed(LsStore *s, LsLayer *L, LsSlot *v, uint64_t *nread, char *err, size_t n) {
+    const ColiReadPlan *plan = &L->entries[v->expert].plan;
+    if (s->replay) return ls_read(s, plan, v->mem, NULL, nread, err, n);
+    pthread_mutex_unlock(&L->mu);
+    ls_demand_begin(s);
+    int rc = ls_read(s, plan, v->mem, NULL, nread, err, n);
+    ls_demand_end(s);
+    pthread_mutex_lock(&L->mu);
+    return rc;
+}
+
 /* Reads v's expert, which the caller has claimed (READING), and leases it to
- * view. Called and returns with L->mu held; drops it to read. */
+ * view. Called and returns with L->mu held. */
 static int demand_read(LsStore *s, LsLayer *L, LsSlot *v, ColiExpertView *view, char *err,
                        size_t n) {
-    LsEntry *e = &L->entries[v->expert];
     uint64_t nread = 0;
-    int rc;
-    if (s->replay) {              /* nothing to read: no reason to drop the lock */
-        rc = ls_read(s, &e->plan, v->mem, NULL, &nread, err, n);
-    } else {
-        pthread_mutex_unlock(&L->mu);
-        ls_demand_begin(s);
-        rc = ls_read(s, &e->plan, v->mem, NULL, &nread, err, n);
-        ls_demand_end(s);
-        pthread_mutex_lock(&L->mu);
-    }
+    int rc = read_claimed(s, L, v, &nread, err, n);
     ls_slot_finish_load(s, L, v, rc, nread, 1);
     if (rc == COLI_OK) ls_fill_view(view, v);
     return rc;
@@ -88,8 +114,8 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
                          layer, expert, L->n_entries - 1);
 
     pthread_mutex_lock(&L->mu);
-    bool joined = false, full_wait = false, ticked = false;
-    struct timespec deadline;
+    bool joined = false, ticked = false;
+    RoomWait room = {0};
     for (;;) {
         LsSlot *v = L->slot_of[expert];
         if (v && v->state == LS_RESIDENT) {
@@ -119,18 +145,9 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
             pthread_mutex_unlock(&L->mu);
             return rc;
         }
-        if (L->loading > 0) {     /* a load ends soon and frees or fills a slot */
-            ls_layer_wait(L, NULL);
-            continue;
-        }
-        /* Every slot is leased: wait for a release, up to the timeout. */
-        if (!full_wait) {
-            full_wait = true;
-            L->c.slot_waits++;
-            if (s->wait_timeout_ns >= 0) ls_deadline_after(&deadline, s->wait_timeout_ns);
-        }
-        int rc = ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL);
-        if (rc == ETIMEDOUT && !ls_victim(L) && L->loading == 0 && !L->slot_of[expert]) {
+        /* No slot to take: wait; past the timeout, fail unless room came. */
+        if (wait_for_room(s, L, &room) == ETIMEDOUT && !ls_victim(L) && L->loading == 0 &&
+            !L->slot_of[expert]) {
             ls_count_request(L, expert);
             pthread_mutex_unlock(&L->mu);
             return coli_fail(err, n, COLI_EFULL,
@@ -268,19 +285,9 @@ static int batch_wait_room(Batch *b) {
                              "its %d pinned ones", unpinned, L->id, L->n_slots - L->n_pinned,
                              L->n_pinned);
     }
-    bool full_wait = false;
-    struct timespec deadline;
+    RoomWait room = {0};
     while (!batch_fits(b)) {
-        if (L->loading > 0) {     /* a load ends soon and fills or frees a slot */
-            ls_layer_wait(L, NULL);
-            continue;
-        }
-        if (!full_wait) {
-            full_wait = true;
-            L->c.slot_waits++;
-            if (s->wait_timeout_ns >= 0) ls_deadline_after(&deadline, s->wait_timeout_ns);
-        }
-        if (ls_layer_wait(L, s->wait_timeout_ns >= 0 ? &deadline : NULL) == ETIMEDOUT) {
+        if (wait_for_room(s, L, &room) == ETIMEDOUT) {
             for (int i = 0; i < b->count; i++) ls_count_request(L, b->experts[i]);
             return coli_fail(b->err, b->n, COLI_EFULL,
                              "cache full: %d experts of layer %d could not be leased together: its %d "
@@ -335,18 +342,9 @@ static int batch_read(Batch *b) {
         uint64_t nread = 0;
         if (v->batch == LS_BATCH_NONE || v->batch == LS_BATCH_QUEUED) {
             v->batch = LS_BATCH_NONE;
-            char local[LS_ERRLEN];
-            const ColiReadPlan *plan = &L->entries[v->expert].plan;
-            if (!s->replay) {
-                pthread_mutex_unlock(&L->mu);
-                ls_demand_begin(s);
-            }
-            r = ls_read(s, plan, v->mem, NULL, &nread,
-                        rc == COLI_OK ? b->err : local, rc == COLI_OK ? b->n : sizeof local);
-            if (!s->replay) {
-                ls_demand_end(s);
-                pthread_mutex_lock(&L->mu);
-            }
+            char local[LS_ERRLEN];   /* only the first failure's message is kept */
+            r = read_claimed(s, L, v, &nread, rc == COLI_OK ? b->err : local,
+                             rc == COLI_OK ? b->n : sizeof local);
         } else {
             while (v->batch != LS_BATCH_DONE) ls_layer_wait(L, NULL);
             v->batch = LS_BATCH_NONE;

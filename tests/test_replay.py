@@ -23,12 +23,6 @@ from colibri.synthetic import write_synthetic_model
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
 REAL = {p.stem: p for p in sorted(DATA.glob("*.npz"))}
-HAVE_C_REPLAY = hasattr(colibri.store, "open_replay_store")
-POLICIES = tuple(getattr(colibri, "POLICIES", ("lru",)))
-
-
-def policies_here() -> tuple[str, ...]:
-    return POLICIES if HAVE_C_REPLAY else ("lru",)
 
 
 def random_trace(rng: np.random.Generator, tokens: int, layers: list[int], experts: int, k: int,
@@ -127,7 +121,7 @@ def live_replay(model_path, trace: Trace, slots, policy: str = "lru", pinned=Non
                     with store.lease_many(layer, distinct):
                         pass
         total = store.stats()
-        per = {l: store.layer_stats(l) for l in layers} if hasattr(store, "layer_stats") else None
+        per = {l: store.layer_stats(l) for l in layers}
     return {"total": total, "per": per}
 
 
@@ -136,11 +130,10 @@ def assert_same_counters(result, live) -> None:
     persistent = total.persistent_hits
     assert (result.hits, result.misses, result.requests, result.evictions, result.persistent_hits) == (
         total.hits, total.misses, total.requests, total.evictions, persistent)
-    if live["per"] is not None:
-        for layer, st_ in live["per"].items():
-            r = result.per_layer[layer]
-            assert (r.hits, r.misses, r.requests, r.evictions) == (st_.hits, st_.misses, st_.requests,
-                                                                   st_.evictions), layer
+    for layer, st_ in live["per"].items():
+        r = result.per_layer[layer]
+        assert (r.hits, r.misses, r.requests, r.evictions) == (st_.hits, st_.misses, st_.requests,
+                                                               st_.evictions), layer
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +150,11 @@ def test_replay_counters_equal_a_live_store(replay_model, seed, tokens, k, extra
     rng = np.random.default_rng(seed)
     t = random_trace(rng, tokens, [1, 2, 3], 7, k)
     slots = {l: min(7, k + int(rng.integers(0, extra + 1))) for l in (1, 2, 3)} if mapped else k + extra
-    if mapped and not HAVE_C_REPLAY:
-        slots = k + extra  # per-layer mappings arrive with the store's replay mode
     least = min(slots.values()) if isinstance(slots, dict) else slots
     pins = None
-    if HAVE_C_REPLAY and 0 < n_pins and least - n_pins >= k:
+    if 0 < n_pins and least - n_pins >= k:
         pins = [(l, int(e)) for l in (1, 2, 3) for e in rng.choice(7, size=n_pins, replace=False)]
-    for policy in policies_here():
+    for policy in colibri.POLICIES:
         got = replay(t, slots_per_layer=slots, policy=policy, pinned=pins)
         assert_same_counters(got, live_replay(replay_model.path, t, slots, policy, pins))
         assert got.hits + got.misses == got.requests
@@ -189,7 +180,7 @@ def test_replay_of_real_traces_equals_a_live_store(real_models, name):
     assert t.layers.tolist() == list(range(len(t.layers)))  # the synthetic model's layer numbers
     for frac in (0.125, 0.5):
         slots = max(t.top_k, int(t.num_experts * frac))
-        for policy in policies_here():
+        for policy in colibri.POLICIES:
             got = replay(t, slots_per_layer=slots, policy=policy)
             assert_same_counters(got, live_replay(real_models[name].path, t, slots, policy))
 
@@ -201,7 +192,7 @@ def test_belady_bounds_every_policy_on_real_traces(name):
         slots = max(t.top_k, int(t.num_experts * frac))
         best = belady(t, slots)
         assert best.requests == t.requests
-        for policy in policies_here():
+        for policy in colibri.POLICIES:
             got = replay(t, slots_per_layer=slots, policy=policy)
             assert got.requests == best.requests
             assert got.hits <= best.hits, (policy, frac)
@@ -224,7 +215,7 @@ def test_belady_bounds_every_policy_on_random_traces(seed, tokens, k, extra, pin
     t = random_trace(rng, tokens, [0, 5], 10, k)
     slots = k + extra
     best = belady(t, slots)
-    for policy in policies_here():
+    for policy in colibri.POLICIES:
         assert replay(t, slots_per_layer=slots, policy=policy).hits <= best.hits
     if 0 < pins < slots - k + 1:
         hot = [(l, e) for l in (0, 5) for e in range(pins)]

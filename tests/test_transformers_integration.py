@@ -38,6 +38,7 @@ transformers = pytest.importorskip("transformers")
 import colibri  # noqa: E402
 from colibri import moe  # noqa: E402
 from colibri.__main__ import main as cli_main  # noqa: E402
+from colibri.tiny_moe import randomize_weights  # noqa: E402
 
 HIDDEN = 32
 TOKENS = 24
@@ -109,18 +110,6 @@ class Built:
     path: str
 
 
-def _randomize(model: Any, seed: int) -> None:
-    """Well-spread random weights (the default init leaves routers at zero,
-    which would make routing a matter of ties)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand(b.shape, generator=gen) * 0.2)
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[str, Built] = {}
@@ -136,7 +125,7 @@ def built(tmp_path_factory: pytest.TempPathFactory):
         torch.manual_seed(0)
         config = config_cls(**_COMMON, **case.kwargs)
         model = model_cls(config).eval()
-        _randomize(model, seed=len(cache) + 1)
+        randomize_weights(model, seed=len(cache) + 1)
         path = str(tmp_path_factory.mktemp(name))
         kwargs: dict[str, Any] = {}
         if case.shard:
