@@ -67,11 +67,44 @@ BLAS threads: the engine's matmuls run with ``OPENBLAS_NUM_THREADS=1`` (set
 below before numpy is imported, unless already set) so that the I/O workers
 get the second core of a 2-core machine instead of fighting OpenBLAS for it.
 
+With the tier on. ``--policy lru cooc``, ``--pin-fraction 0 0.25`` and
+``--warm off on`` run every combination of eviction policy, pinned share of
+each layer's slots and warm start as variants of the store, each with "no
+prefetch" and its PILOT rows (the first variant also runs the oracle rows and
+the targets), in rounds whose configuration order is shuffled. Pins and the
+warm start come from a usage history (``colibri.Usage``) of a separate
+warm-up draw of the same routing, never the measured tokens: each layer pins
+its hottest experts and warms its other slots with the next hottest. They
+load when the store opens, outside the timed region, and their reads are not
+counted. A tier table then gives, per variant and as medians of within-round
+values, the hit rate, misses per token and wait share without prefetch and
+with PILOT, and the bound on PILOT's wait share set by its own unpredicted
+misses: if every prefetch were on time and every miss cost the same read m,
+a token would wait M m against C of compute (M its misses per token, C the
+round's compute-only time per token, m the round's no-prefetch wait per
+miss pooled over variants), a wait share of M m / (C + M m).
+
+The synthetic routing draws every token independently from fixed
+popularities: it has no structure from one token to the next, which is what
+``cooc`` learns (on it, any gain comes from the frequency term alone, and
+pinning the hottest experts is close to the best a fixed set can do). So
+``--trace PATH`` replays a real routing trace (``colibri.Trace`` format, e.g.
+tests/data/traces): the model takes the trace's experts per layer and top-k
+and its first ``--layers`` layers; the trace's sequences are split into two
+halves, the measured tokens are the first ``--tokens`` of one half
+(``--trace-half``, default the second) and the usage history is the other
+half. Predictions keep each true expert with probability p as before; wrong
+guesses are drawn by the history's popularity.
+
 Run from the repository root:
 
     python benchmarks/decode_sim.py                 # full run, about 10 min on 2 cores
     python benchmarks/decode_sim.py --quick         # smoke run, ~15 s
     python benchmarks/decode_sim.py --cache cold --p 0.72 --pilot-workers 2   # the targets only, ~2 min
+    python benchmarks/decode_sim.py --cache cold --p 0.72 --pilot-workers 2 \
+        --policy lru cooc --pin-fraction 0 0.25 --warm off on            # with the tier on
+    python benchmarks/decode_sim.py --trace tests/data/traces/mixtral-8x7b-humaneval.npz \
+        --slots 3 --tokens 120 --cache cold --p 0.72 --pilot-workers 2 --policy lru cooc   # real routing
 """
 
 from __future__ import annotations
@@ -84,6 +117,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import random  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import struct  # noqa: E402
@@ -158,7 +192,7 @@ def write_model(directory: Path, *, layers: int, experts: int, hidden: int, inte
                 i += 1
         f.flush()
         os.fsync(f.fileno())
-    return {"path": directory, "files": [path], "bytes": path.stat().st_size}
+    return {"path": directory, "files": [path], "bytes": path.stat().st_size, "layers": tuple(range(layers))}
 
 
 # ---------------------------------------------------------------------------
@@ -207,6 +241,91 @@ def make_predictions(rng, trace: np.ndarray, pops: np.ndarray, p: float, wrong: 
                 chosen.append(int(rng.choice(candidates, p=weights / weights.sum())))
             pred[t, i] = chosen
     return pred
+
+
+def draw_tokens(rng, pops: np.ndarray, *, tokens: int, top_k: int) -> np.ndarray:
+    """More tokens of make_trace's routing (the same popularities): the
+    warm-up draw that the tier's usage history comes from."""
+    layers, experts = pops.shape
+    out = np.empty((tokens, layers, top_k), dtype=np.int64)
+    for layer in range(layers):
+        for t in range(tokens):
+            out[t, layer] = rng.choice(experts, size=top_k, replace=False, p=pops[layer])
+    return out
+
+
+def load_routing(path: Path, *, layers: int, half: int) -> dict:
+    """A real trace's routing, split by sequence into two halves: ``half``
+    (0 or 1) is measured, the other one is the warm-up history. Returns the
+    measured and warm-up (tokens, layers, top_k) arrays of its first
+    ``layers`` layers, its experts per layer and top-k, and the warm-up's
+    popularities (smoothed, so that every expert can be a wrong guess)."""
+    trace = colibri.Trace.load(path)
+    experts = np.asarray(trace.experts)[:, :layers].astype(np.int64)
+    if (experts < 0).any():
+        raise SystemExit(f"{path}: traces with padded (-1) rows are not supported here")
+    seq = np.asarray(trace.sequence)
+    names = np.unique(seq)
+    if len(names) >= 2:
+        first = np.isin(seq, names[: len(names) // 2])
+    else:
+        first = np.arange(len(seq)) < len(seq) // 2
+    measured, warmup = (experts[~first], experts[first]) if half == 1 else (experts[first], experts[~first])
+    n = int(trace.num_experts)
+    pops = np.stack([np.bincount(warmup[:, i].ravel(), minlength=n) + 0.1 for i in range(experts.shape[1])])
+    pops /= pops.sum(axis=1, keepdims=True)
+    parts = ["first", "second"]
+    return {"measured": measured, "warmup": warmup, "num_experts": n, "top_k": experts.shape[2],
+            "pops": pops, "layers_in_trace": len(trace.layers),
+            "describe": f"{path.name}: {parts[half]} half measured ({len(measured)} tokens), "
+                        f"{parts[1 - half]} half the history ({len(warmup)} tokens)"}
+
+
+# ---------------------------------------------------------------------------
+# the tier: policy, pins and warm start
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One variant of the store: its eviction policy, the share of each
+    layer's slots pinned, and whether its other slots start warm."""
+
+    policy: str = "lru"
+    pin_fraction: float = 0.0
+    warm: bool = False
+
+    @property
+    def label(self) -> str:
+        parts = [self.policy]
+        if self.pin_fraction:
+            parts.append(f"pin {self.pin_fraction:.0%}")
+        if self.warm:
+            parts.append("warm")
+        return " ".join(parts)
+
+    @property
+    def suffix(self) -> str:
+        """What the variant adds to a configuration's name ("" for plain LRU,
+        so the default run's names and targets are unchanged)."""
+        return "" if self == Tier() else f" [{self.label}]"
+
+    def pins(self, slots: int) -> int:
+        return int(round(self.pin_fraction * slots))
+
+
+def tier_lists(usage, layers: tuple[int, ...], slots: int, tier: Tier) -> tuple[list, list]:
+    """(pin, warm) for open_store from the usage history: each layer pins its
+    hottest experts and warms its other slots with the next hottest, the
+    hottest last (the warm start's most recent)."""
+    pin: list[tuple[int, int]] = []
+    warm: list[tuple[int, int]] = []
+    n_pin = tier.pins(slots)
+    for layer in layers:
+        hot = [e for _, e in usage.hottest({layer: slots})]
+        pin += [(layer, e) for e in hot[:n_pin]]
+        if tier.warm:
+            warm += [(layer, e) for e in reversed(hot[n_pin:])]
+    return pin, warm
 
 
 # ---------------------------------------------------------------------------
@@ -261,6 +380,7 @@ class RunResult:
     stats: dict
     pilot: dict | None = None
     checksum: float = 0.0
+    tier: str = "lru"
 
     @property
     def ms_per_token(self) -> float:
@@ -277,7 +397,7 @@ class RunResult:
             "ms_per_token": self.ms_per_token, "io_wait_share": self.wait_share,
             "hit_rate": self.stats["hit_rate"], "prefetch_hit_rate": self.stats["prefetch_hit_rate"],
             "mb_read_per_token": self.stats["bytes_read"] / MB / self.tokens,
-            "stats": self.stats, "pilot": self.pilot, "checksum": self.checksum,
+            "stats": self.stats, "pilot": self.pilot, "checksum": self.checksum, "tier": self.tier,
         }
 
 
@@ -433,16 +553,34 @@ def calibrated_engine(model, args, cal: dict, ratio: float) -> "Engine":
 
 
 def open_run_store(model, args, *, workers: int, cache: str, cold_method: str, slots: int | None = None,
-                   demand_first: bool = True):
+                   demand_first: bool = True, policy: str = "lru", pin=None, warm=None):
     return colibri.open_store(
         model["path"], slots_per_layer=slots or args.slots, prefetch_workers=workers,
         direct_io=(cache == "cold" and cold_method == "direct_io"), slot_wait_timeout=60.0,
         demand_first=demand_first, prefetch_chunk_bytes=args.chunk_kib << 10,
+        policy=policy, pin=pin or None, warm=warm or None,
     )
 
 
+# counters that are not counts since open
+_NOT_COUNTS = ("resident_bytes", "capacity_bytes", "peak_inflight", "hit_rate", "prefetch_hit_rate")
+
+
+def stats_since(after: dict, before: dict) -> dict:
+    """The counters of ``after`` minus ``before`` (the decode without the
+    pins' and warm start's loads), rates recomputed."""
+    out = dict(after)
+    for key, value in after.items():
+        if key not in _NOT_COUNTS and isinstance(value, int) and isinstance(before.get(key), int):
+            out[key] = value - before[key]
+    out["hit_rate"] = out["hits"] / out["requests"] if out["requests"] else 0.0
+    out["prefetch_hit_rate"] = out["prefetch_hits"] / out["prefetched"] if out["prefetched"] else 0.0
+    return out
+
+
 def one_config(model, args, engine, trace, *, name, mode, workers, cache, cold_method,
-               p=None, pred=None, wrap=False, demand_first=True) -> RunResult:
+               p=None, pred=None, wrap=False, demand_first=True, tier: Tier = Tier(),
+               usage=None) -> RunResult:
     files = model["files"]
     if cache == "cold" and cold_method == "drop_caches":
         drop_caches()
@@ -451,9 +589,14 @@ def one_config(model, args, engine, trace, *, name, mode, workers, cache, cold_m
         between = None
         if cache == "warm":
             warm_page_cache(files)
+    pin, warm = tier_lists(usage, model["layers"], args.slots, tier) if usage is not None else ([], [])
     with open_run_store(model, args, workers=workers, cache=cache, cold_method=cold_method,
-                        demand_first=demand_first) as store:
+                        demand_first=demand_first, policy=tier.policy, pin=pin, warm=warm) as store:
         layers = store.layers
+        before = None
+        if pin or warm:   # preloads end before the timed decode; their reads are not counted
+            store.wait_idle(timeout=120)
+            before = store.stats().as_dict()
         pilot = None
         if mode == "pilot":
             routers = {layer: np.eye(args.experts, args.experts, dtype=np.float32) for layer in layers}
@@ -464,10 +607,12 @@ def one_config(model, args, engine, trace, *, name, mode, workers, cache, cold_m
         )
         store.wait_idle(timeout=60)
         stats = store.stats().as_dict()
+        if before is not None:
+            stats = stats_since(stats, before)
     rep = pilot.report() if pilot is not None else None
     return RunResult(
         name=name, cache=cache, p=p, workers=workers, tokens=trace.shape[0], total_s=total, wait_s=wait,
-        compute_s=compute, stats=stats, checksum=checksum,
+        compute_s=compute, stats=stats, checksum=checksum, tier=tier.label,
         pilot=None if rep is None else {"precision": rep.precision, "recall": rep.recall,
                                         "predictions": rep.predictions,
                                         "prefetch_accepted": rep.prefetch_accepted,
@@ -525,17 +670,72 @@ def summarize(runs: list[RunResult], floors: list[RunResult], bases: list[RunRes
     }
 
 
-def fmt_row(row: dict) -> str:
+def fmt_row(row: dict, width: int = 22) -> str:
     prec = f"{row['precision']:5.0%} {row['recall']:5.0%}" if row["precision"] is not None else "    -     -"
     pf = f"{row['prefetch_hit_rate']:6.0%}" if row["prefetch_hit_rate"] is not None else "     -"
-    return (f"  {row['name']:<22} {row['ms_per_token']:9.1f} {row['over_floor']:7.2f}x "
+    return (f"  {row['name']:<{width}} {row['ms_per_token']:9.1f} {row['over_floor']:7.2f}x "
             f"{row['compute_over_floor']:7.2f}x {row['io_wait_share']:8.1%} {row['hit_rate']:5.0%} {pf} "
             f"{row['mb_read_per_token']:7.1f} {row['speedup']:6.2f}x   {prec}")
 
 
-HEADER = ("  {:<22} {:>9} {:>8} {:>8} {:>8} {:>5} {:>6} {:>7} {:>7}   {:>5} {:>5}".format(
-    "config", "ms/token", "/floor", "compute", "io-wait", "hit", "pf-hit", "MB/tok", "speedup", "prec",
-    "recall"))
+def header(width: int = 22) -> str:
+    return ("  {:<" + str(width) + "} {:>9} {:>8} {:>8} {:>8} {:>5} {:>6} {:>7} {:>7}   {:>5} {:>5}").format(
+        "config", "ms/token", "/floor", "compute", "io-wait", "hit", "pf-hit", "MB/tok", "speedup", "prec",
+        "recall")
+
+
+HEADER = header()
+
+
+def tier_table(tiers: list[Tier], runs: dict, floors: list[RunResult], ps: list[float],
+               workers: list[int]) -> list[dict]:
+    """Per variant, p and PILOT worker count: medians over rounds of the
+    no-prefetch and PILOT hit rate, misses per token and wait share, and of
+    the bound on PILOT's wait share from its own misses (see the module
+    docstring), all taken within a round."""
+    rounds = len(floors)
+    nones = [runs[(f"no prefetch{t.suffix}", None)] for t in tiers]
+    # the round's cost of a demand miss, pooled over every variant's no-prefetch run
+    per_miss = [sum(n[r].wait_s for n in nones) / max(1, sum(n[r].stats["misses"] for n in nones))
+                for r in range(rounds)]
+    compute = [f.total_s / f.tokens for f in floors]
+    out = []
+    for tier, none in zip(tiers, nones):
+        for p in ps:
+            for w in workers:
+                pil = runs.get((f"PILOT w={w}{tier.suffix}", p))
+                if not pil:
+                    continue
+                miss = [r.stats["misses"] / r.tokens for r in pil]
+                bound = [m * per_miss[r] / (compute[r] + m * per_miss[r]) for r, m in enumerate(miss)]
+                med = statistics.median
+                out.append({
+                    "tier": tier.label, "p": p, "workers": w,
+                    "none_hit_rate": med(r.stats["hit_rate"] for r in none),
+                    "none_misses_per_token": med(r.stats["misses"] / r.tokens for r in none),
+                    "none_wait_share": med(r.wait_share for r in none),
+                    "pilot_hit_rate": med(r.stats["hit_rate"] for r in pil),
+                    "pilot_misses_per_token": med(miss),
+                    "pilot_wait_share": med(r.wait_share for r in pil),
+                    "bound": med(bound),
+                    "pilot_over_bound": med(r.wait_share / b for r, b in zip(pil, bound) if b),
+                    "pilot_over_none": med(r.wait_share / n.wait_share for r, n in zip(pil, none) if n.wait_share),
+                    "per_round": {"per_miss_ms": [1e3 * m for m in per_miss], "bound": bound,
+                                  "pilot_wait_share": [r.wait_share for r in pil],
+                                  "none_wait_share": [r.wait_share for r in none]},
+                })
+    return out
+
+
+def print_tier_table(rows: list[dict]) -> None:
+    width = max(len(r["tier"]) for r in rows)
+    print(f"  {'tier':<{width}} {'p':>5} {'w':>2} | {'none: hit':>9} {'miss/tok':>8} {'wait':>6} | "
+          f"{'PILOT: hit':>10} {'miss/tok':>8} {'wait':>6} {'bound':>6} {'/bound':>6} {'/none':>6}")
+    for r in rows:
+        print(f"  {r['tier']:<{width}} {r['p']:5.2f} {r['workers']:>2} | {r['none_hit_rate']:9.1%} "
+              f"{r['none_misses_per_token']:8.2f} {r['none_wait_share']:6.1%} | {r['pilot_hit_rate']:10.1%} "
+              f"{r['pilot_misses_per_token']:8.2f} {r['pilot_wait_share']:6.1%} {r['bound']:6.1%} "
+              f"{r['pilot_over_bound']:6.2f} {r['pilot_over_none']:6.2f}")
 
 
 def main(argv=None) -> int:
@@ -575,6 +775,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where the model is written")
     ap.add_argument("--keep-model", action="store_true")
+    tier = ap.add_argument_group("the tier (every combination is a variant of the store)")
+    tier.add_argument("--policy", nargs="+", choices=colibri.POLICIES, default=["lru"],
+                      help="eviction policies to compare")
+    tier.add_argument("--pin-fraction", type=float, nargs="+", default=[0.0],
+                      help="share of each layer's slots pinned with the history's hottest experts")
+    tier.add_argument("--warm", nargs="+", choices=["off", "on"], default=["off"],
+                      help="warm start: the other slots load the history's next hottest experts at open")
+    tier.add_argument("--warmup-tokens", type=int, default=256,
+                      help="tokens of the separate warm-up draw the history comes from (synthetic routing)")
+    tier.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,
+                      help="shuffle the configurations' order in every round (default: when comparing variants)")
+    tier.add_argument("--trace", type=Path, default=None,
+                      help="replay this routing trace (colibri.Trace .npz) instead of synthetic routing")
+    tier.add_argument("--trace-half", type=int, choices=[0, 1], default=1,
+                      help="which half of the trace's sequences is measured (the other is the history)")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens = min(args.tokens, 12)
@@ -585,8 +800,22 @@ def main(argv=None) -> int:
         args.rounds = 1
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    routing = None   # a real trace's routing (after --quick, which does not shrink it)
+    if args.trace is not None:
+        routing = load_routing(args.trace, layers=args.layers, half=args.trace_half)
+        args.layers = routing["measured"].shape[1]
+        args.experts = routing["num_experts"]
+        args.top_k = routing["top_k"]
+        args.tokens = min(args.tokens, len(routing["measured"]))
     if args.top_k > args.slots or args.slots > args.experts:
         ap.error("need top_k <= slots <= experts")
+    tiers = [Tier(pol, pf, w == "on") for pol in args.policy for pf in args.pin_fraction for w in args.warm]
+    if len(set(tiers)) != len(tiers):
+        ap.error("the tier options name a variant twice")
+    for t in tiers:
+        if not 0.0 <= t.pin_fraction < 1.0 or args.slots - t.pins(args.slots) < args.top_k:
+            ap.error(f"--pin-fraction {t.pin_fraction}: a layer must keep at least top_k unpinned slots")
+    shuffle = len(tiers) > 1 if args.shuffle is None else args.shuffle
 
     expert_bytes = 3 * args.hidden * args.intermediate * 4
     model_bytes = args.layers * args.experts * expert_bytes
@@ -614,9 +843,11 @@ def main(argv=None) -> int:
         print(f"model: {args.layers} MoE layers x {args.experts} experts x {expert_bytes / MB:.1f} MB "
               f"(f32 {args.hidden}x{args.intermediate}) = {model['bytes'] / 1e9:.2f} GB, "
               f"written in {time.perf_counter() - t0:.1f} s to {workdir}")
+        routing_name = (routing["describe"] if routing is not None
+                        else f"synthetic Zipf skew {args.skew}")
         print(f"cache: {args.slots} slots/layer = {cache_bytes / 1e9:.2f} GB "
               f"({cache_bytes / model_bytes:.0%} of the experts); top-{args.top_k}, "
-              f"Zipf skew {args.skew}, {args.tokens} tokens, wrong guesses {args.wrong}")
+              f"{routing_name}, {args.tokens} tokens, wrong guesses {args.wrong}")
 
         # The calibration times one layer in isolation, which runs faster than
         # a layer inside a decode (other experts each layer, Python between
@@ -636,24 +867,48 @@ def main(argv=None) -> int:
 
         calibrations: list[dict] = []
 
-        rng = np.random.default_rng(args.seed)
-        trace, pops = make_trace(rng, tokens=args.tokens, layers=args.layers, experts=args.experts,
-                                 top_k=args.top_k, skew=args.skew)
+        if routing is not None:
+            trace, pops = routing["measured"][: args.tokens], routing["pops"]
+            warmup = routing["warmup"]
+        else:
+            rng = np.random.default_rng(args.seed)
+            trace, pops = make_trace(rng, tokens=args.tokens, layers=args.layers, experts=args.experts,
+                                     top_k=args.top_k, skew=args.skew)
+            warmup = None
+        usage = None
+        if any(t.pin_fraction or t.warm for t in tiers):
+            if warmup is None:   # a separate draw of the same routing, never the measured tokens
+                warmup = draw_tokens(np.random.default_rng([args.seed, 1]), pops, tokens=args.warmup_tokens,
+                                     top_k=args.top_k)
+            usage = colibri.Usage.from_trace(colibri.Trace.from_arrays(
+                np.array(model["layers"]), warmup, num_experts=args.experts))
+            print(f"tier history: {len(warmup)} warm-up tokens; variants: "
+                  + ", ".join(t.label for t in tiers))
         preds = {p: make_predictions(np.random.default_rng([args.seed, int(p * 1000)]), trace, pops, p,
                                      args.wrong)
                  for p in args.p}
 
         caches = ["cold", "warm"] if args.cache == "both" else [args.cache]
-        plan = [("no prefetch", dict(mode="none", workers=0)),
-                (f"oracle w={args.oracle_workers}", dict(mode="oracle", wrap=True, workers=args.oracle_workers)),
-                (f"oracle-in-token w={args.oracle_workers}", dict(mode="oracle", workers=args.oracle_workers))]
-        for p in args.p:
-            for w in args.pilot_workers:
-                plan.append((f"PILOT w={w}", dict(mode="pilot", workers=w, p=p, pred=preds[p])))
-            if p == 0.72 and 2 in args.pilot_workers:
-                # the same with prefetch reads sharing the disk with demand reads
-                plan.append(("PILOT w=2 shared disk",
-                             dict(mode="pilot", workers=2, p=p, pred=preds[p], demand_first=False)))
+        plan: list[tuple[str, dict]] = []
+        for i, tier in enumerate(tiers):
+            sfx = tier.suffix
+            plan.append((f"no prefetch{sfx}", dict(mode="none", workers=0, tier=tier)))
+            if i == 0:
+                plan += [(f"oracle w={args.oracle_workers}{sfx}",
+                          dict(mode="oracle", wrap=True, workers=args.oracle_workers, tier=tier)),
+                         (f"oracle-in-token w={args.oracle_workers}{sfx}",
+                          dict(mode="oracle", workers=args.oracle_workers, tier=tier))]
+            for p in args.p:
+                for w in args.pilot_workers:
+                    plan.append((f"PILOT w={w}{sfx}", dict(mode="pilot", workers=w, p=p, pred=preds[p], tier=tier)))
+                if i == 0 and p == 0.72 and 2 in args.pilot_workers:
+                    # the same with prefetch reads sharing the disk with demand reads
+                    plan.append((f"PILOT w=2 shared disk{sfx}",
+                                 dict(mode="pilot", workers=2, p=p, pred=preds[p], demand_first=False, tier=tier)))
+        base_key = (f"no prefetch{tiers[0].suffix}", None)
+        oracle_name = f"oracle w={args.oracle_workers}{tiers[0].suffix}"
+        oracle_in_token_name = f"oracle-in-token w={args.oracle_workers}{tiers[0].suffix}"
+        width = max(22, max(len(name) for name, _ in plan))
         tables: dict[str, dict] = {}
         for cache in caches:
             floors: list[RunResult] = []
@@ -666,13 +921,16 @@ def main(argv=None) -> int:
                 cal["section"], cal["round"] = cache, rnd
                 calibrations.append(cal)
                 floors.append(compute_only(model, args, engine, trace))
-                for name, kw in plan:
+                order = list(plan)
+                if shuffle:
+                    random.Random(f"{args.seed} {cache} {rnd}").shuffle(order)
+                for name, kw in order:
                     runs[(name, kw.get("p"))].append(
                         one_config(model=model, args=args, engine=engine, trace=trace, cache=cache,
-                                   cold_method=cold_method, name=name, **kw))
+                                   cold_method=cold_method, name=name, usage=usage, **kw))
                 # what the round really saw: the floor's compute per layer
                 # against what a demand miss cost the no-prefetch engine
-                base = runs[("no prefetch", None)][-1]
+                base = runs[base_key][-1]
                 per_layer = floors[-1].ms_per_token / args.layers
                 per_miss = 1e3 * base.wait_s / max(base.stats["misses"], 1)
                 cal["measured_ratio"] = per_layer / per_miss
@@ -681,31 +939,37 @@ def main(argv=None) -> int:
                 print(f"{cache} round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.0f} s; "
                       f"compute-only {per_layer:.2f} ms/layer, no-prefetch wait {per_miss:.2f} ms/miss "
                       f"= {cal['measured_ratio']:.2f}x (measured compute ratio)", flush=True)
-            bases = runs[("no prefetch", None)]
+            bases = runs[base_key]
             rows = {key: summarize(rs, floors, bases) for key, rs in runs.items()}
             floor_row = summarize(floors, floors, bases)
-            tables[cache] = {"floor": floor_row, "rows": rows, "runs": runs, "floors": floors}
+            tier_rows = tier_table(tiers, runs, floors, args.p, args.pilot_workers)
+            tables[cache] = {"floor": floor_row, "rows": rows, "runs": runs, "floors": floors,
+                             "tier": tier_rows}
             label = ("cold page cache (" + cold_method + ")") if cache == "cold" else "warm page cache"
             for p in args.p:
                 measured = statistics.median(c["measured_ratio"] for c in calibrations if c["section"] == cache)
                 print(f"\n{label}, one-layer-ahead predictability p = {p:.2f}, median of {args.rounds} rounds "
                       f"(measured compute ratio {measured:.2f})")
-                print(HEADER)
-                print(fmt_row(floor_row))
-                print(fmt_row(rows[("no prefetch", None)]))
+                print(header(width))
+                print(fmt_row(floor_row, width))
+                print(fmt_row(rows[base_key], width))
                 for (name, rp), row in rows.items():
-                    if rp == p:
-                        print(fmt_row(row))
-                print(fmt_row(rows[(f"oracle-in-token w={args.oracle_workers}", None)]))
-                print(fmt_row(rows[(f"oracle w={args.oracle_workers}", None)]))
+                    if rp == p or (rp is None and name.startswith("no prefetch") and (name, rp) != base_key):
+                        print(fmt_row(row, width))
+                print(fmt_row(rows[(oracle_in_token_name, None)], width))
+                print(fmt_row(rows[(oracle_name, None)], width))
+            if len(tiers) > 1 or tiers[0] != Tier():
+                print(f"\n{label}, the tier: medians of {args.rounds} rounds; bound = PILOT's own misses "
+                      f"at the round's cost per miss against the compute-only time")
+                print_tier_table(tier_rows)
 
         # acceptance targets, as medians over rounds of within-round ratios
         checks = {}
         if "cold" in tables and 0.72 in args.p:
             t = tables["cold"]
-            base_runs = t["runs"][("no prefetch", None)]
-            oracle_runs = t["runs"][(f"oracle w={args.oracle_workers}", None)]
-            w2_runs = t["runs"].get(("PILOT w=2", 0.72))
+            base_runs = t["runs"][base_key]
+            oracle_runs = t["runs"][(oracle_name, None)]
+            w2_runs = t["runs"].get((f"PILOT w=2{tiers[0].suffix}", 0.72))
             print(f"\ntargets (cold, p = 0.72, median over {args.rounds} rounds):")
 
             def check(key: str, label: str, ratios: list[float], limit: float) -> None:
@@ -740,7 +1004,8 @@ def main(argv=None) -> int:
             "model": {"bytes": model["bytes"], "expert_bytes": expert_bytes,
                       "cache_bytes": cache_bytes},
             "calibrations": calibrations,
-            "tables": {cache: {"floor": t["floor"], "rows": list(t["rows"].values())}
+            "routing": routing["describe"] if routing is not None else "synthetic",
+            "tables": {cache: {"floor": t["floor"], "rows": list(t["rows"].values()), "tier": t["tier"]}
                        for cache, t in tables.items()},
             "targets": checks,
             "elapsed_s": elapsed,
