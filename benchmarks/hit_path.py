@@ -103,11 +103,11 @@ def measure(fn, budget_s: float, max_calls: int, overhead: float) -> dict:
 
 
 def bench_size(name: str, hidden: int, intermediate: int, tmp: Path, budget_s: float,
-               max_calls: int, overhead: float, profile: bool) -> dict:
+               max_calls: int, overhead: float, profile: bool, policy: str = "lru") -> dict:
     model = write_synthetic_model(tmp / name.split()[0], n_layers=N_LAYERS, n_experts=N_EXPERTS,
                                   hidden=hidden, intermediate=intermediate, dtype="bfloat16")
     path = str(model.files[0])
-    store = colibri.open_store(model.path, slots_per_layer=N_EXPERTS, prefetch_workers=0)
+    store = colibri.open_store(model.path, slots_per_layer=N_EXPERTS, prefetch_workers=0, policy=policy)
     layer = model.layers[0]
     keys = [(layer, e) for e in range(N_EXPERTS)]
     for lay in model.layers:
@@ -228,6 +228,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter run (CI)")
     ap.add_argument("--profile", action="store_true", help="cProfile the store.lease+touch loop")
+    ap.add_argument("--policy", default="lru", choices=colibri.POLICIES, help="the store's eviction policy")
     args = ap.parse_args(argv)
     budget = 0.25 if args.quick else 1.0
     max_calls = 20_000 if args.quick else 100_000
@@ -235,10 +236,10 @@ def main(argv=None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="colibri-hit-", dir="/tmp"))
     goals = C.Goals()
-    out: dict = {"timer_overhead_ns": overhead, "sizes": {}}
+    out: dict = {"timer_overhead_ns": overhead, "sizes": {}, "policy": args.policy}
     try:
         for name, (hidden, inter) in SIZES.items():
-            r = bench_size(name, hidden, inter, tmp, budget, max_calls, overhead, args.profile)
+            r = bench_size(name, hidden, inter, tmp, budget, max_calls, overhead, args.profile, args.policy)
             out["sizes"][name] = r
             res = r["results"]
             floor = res["dict-LRU floor (get)"]["median_ns"]
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
                              C.fmt_ratio(so_base / s["median_ns"]), s["calls"]))
             print(C.table(
                 f"hit path, {name} expert ({r['expert_bytes']:,} bytes, {hidden}x{inter} bf16 x3), "
-                f"warm, 1 thread",
+                f"warm, 1 thread, policy {args.policy}",
                 ("candidate", "median", "p99", "per expert", "vs dict floor", "safe_open / this", "calls"),
                 rows,
                 note=f"(timer overhead {overhead:.0f} ns subtracted; x8 rows are compared with dict-LRU x8)"))

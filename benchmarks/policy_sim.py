@@ -27,6 +27,13 @@ Policies:
   the request, best first), the count halving every 2 x slots requests of the
   layer (linearly in between); the smallest count is evicted. The count
   outlives an eviction.
+- ``cooc``: the store's co-occurrence policy, operation for operation
+  (``CCooc``): per layer, how often each expert followed each other one from
+  one lookup to the next, decayed (half-life 64 lookups); the victim, among
+  the older half of LRU's list, is the expert least likely to follow the
+  current lookup. ``cooc:H`` changes the half-life, ``/prior=P`` the weight
+  of an expert's overall share, ``/m=F`` the candidates (F x slots); the
+  full run ends with each changed alone.
 - ``crf:H``, ``crf-rank:H``, ``crf-router:H``: the research family behind it
   (exact exponential decay; a use adds 1, 1 / (1 + rank), or the router's
   weight from the trace). H is a half-life in tokens, or ``Nt`` for N x slots
@@ -385,15 +392,18 @@ class CCooc(Policy):
     evictable experts in LRU order (m = max(slots // 2, 2 x the lookup's
     experts), at most 64), has the lowest sum of follow[a][x] over the
     lookup's experts a plus prior x g x |S| x count[x] / total; ties go to
-    the older."""
+    the older. ``prior`` and ``fraction`` (of the slots in m) are the C
+    constants 1 and 1/2 unless changed for the sensitivity study."""
 
     RESCALE = 64
     CANDIDATES = 64
     PRIOR = 1.0
 
-    def __init__(self, slots: int, half: int = 64) -> None:
+    def __init__(self, slots: int, half: int = 64, prior: float = PRIOR, fraction: float = 0.5) -> None:
         self.slots = slots
         self.half = half
+        self.prior = prior
+        self.fraction = fraction
         self.follow: dict[int, dict[int, float]] = {}
         self.count: dict[int, float] = {}
         self.total = 0.0
@@ -436,8 +446,8 @@ class CCooc(Policy):
         self.g = g
 
     def victim(self, resident, busy, t):
-        m = min(self.CANDIDATES, max(self.slots // 2, 2 * len(self.cur)))
-        c = self.PRIOR * self.g * len(self.cur) / self.total if self.total > 0 else 0.0
+        m = min(self.CANDIDATES, max(int(self.slots * self.fraction), 2 * len(self.cur)))
+        c = self.prior * self.g * len(self.cur) / self.total if self.total > 0 else 0.0
         best, best_score = None, 0.0
         for x in [e for e in self.lru if e not in busy][:m]:
             score = 0.0
@@ -593,8 +603,8 @@ def make_policy(spec: str, prior: np.ndarray | None = None) -> Callable[[int, in
     expert) and '/pop=G' (bias each expert's count by its popularity in the
     usage history ``prior``, an (L, E) array of counts: times
     ((count + 1) / (mean count + 1)) ** G)."""
-    name, _, rest = spec.partition(":")
-    arg, *opts = rest.split("/")
+    head, *opts = spec.split("/")
+    name, _, arg = head.partition(":")
     ghost = "noghost" not in opts
     pop = 0.0
     for o in opts:
@@ -607,7 +617,14 @@ def make_policy(spec: str, prior: np.ndarray | None = None) -> Callable[[int, in
     if name == "lrfu":
         return lambda li, s: CLrfu(s)
     if name == "cooc":
-        return lambda li, s: CCooc(s, int(arg) if arg else 64)
+        # options: /prior=P (weight of the overall share), /m=F (candidates: F x slots)
+        kw = {}
+        for o in opts:
+            if o.startswith("prior="):
+                kw["prior"] = float(o[6:])
+            elif o.startswith("m="):
+                kw["fraction"] = float(o[2:])
+        return lambda li, s: CCooc(s, int(arg) if arg else 64, **kw)
     if name == "arc":
         return lambda li, s: ARC(s)
     if name == "slru":
@@ -719,6 +736,25 @@ def select_half_life(cases, budgets: Sequence[float], show) -> None:
                      f"{100 * r:.2f} | {100 * g:+.0f}% |")
 
 
+COOC_VARIANTS = ["cooc:32", "cooc:128", "cooc/prior=0.25", "cooc/prior=4", "cooc/m=0.375", "cooc/m=0.625"]
+
+
+def cooc_sensitivity(cases, budgets: Sequence[float], show) -> None:
+    """cooc's constants one at a time (half-life 32 / 64 / 128 lookups,
+    prior 0.25 / 1 / 4, candidates 0.375 / 0.5 / 0.625 of the slots): the
+    share of the LRU-to-Belady gap each closes on the real evaluation parts."""
+    pols = ["cooc"] + COOC_VARIANTS
+    show("\n| evaluated part | budget | " + " | ".join(pols) + " | spread |")
+    show("|---" * (len(pols) + 3) + "|")
+    for ev, _ in cases:
+        for b in budgets_for(ev, budgets):
+            lo = run(ev, b, make_policy("lru")).hit_rate
+            hi = run(ev, b, make_policy("belady")).hit_rate
+            shares = [(run(ev, b, make_policy(p)).hit_rate - lo) / (hi - lo) if hi > lo else 0.0 for p in pols]
+            show(f"| {ev.name} | {100 * b:g}% | " + " | ".join(f"{100 * g:+.1f}%" for g in shares)
+                 + f" | {100 * (max(shares) - min(shares)):.1f} |")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one synthetic seed, no half-life check")
@@ -749,6 +785,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if real and not args.quick:
         show("\n## lrfu's half-life chosen on one part, measured on the others")
         select_half_life(real, budgets, show)
+        show("\n## cooc's constants, one at a time: share of the LRU-to-Belady gap closed")
+        cooc_sensitivity(real, budgets, show)
     show(f"\n({time.time() - t0:.0f} s)")
     return 0
 
