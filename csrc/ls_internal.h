@@ -98,12 +98,17 @@ typedef struct {
  * mutex, and asks it for a victim. A policy keeps its state in the slots'
  * pol_* fields, in the layer's pol (its init allocates it) and may read
  * the layer's clock (one tick per lookup or lookup_many of the layer) and
- * requests_of. Only insert, remove and victim are required. The state
- * machine calls LRU's list operations directly (ls_lru_insert/remove,
+ * requests_of. Only victim, and insert and remove unless lru_list, are
+ * required. For a policy whose set is the LRU list (lru, cooc) the state
+ * machine calls the list operations directly (ls_lru_insert/remove,
  * inlined) instead of through the table, so its hit path has no indirect
- * call. */
+ * call for them. */
 typedef struct {
     const char *name;
+    /* The set is the layer's LRU list (list, ls_lru_insert/remove), which
+     * the state machine keeps inline, a slot's pol_value 1 if it joined
+     * cold, else 0; insert and remove are then unused. */
+    bool lru_list;
     /* v joins the set: at the hot end (just released or loaded) or, with
      * cold, ahead of every slot there for eviction (emptied, demoted). */
     void (*insert)(LsLayer *L, LsSlot *v, bool cold);

@@ -69,22 +69,14 @@
 #include <stdlib.h>
 
 /* The list operations are ls_lru_insert and ls_lru_remove (ls_internal.h),
- * which the state machine inlines for LRU; the table has them too. */
-static void lru_insert(LsLayer *L, LsSlot *s, bool cold) { ls_lru_insert(L, s, cold); }
-
-static void lru_remove(LsLayer *L, LsSlot *s) {
-    (void)L;
-    ls_lru_remove(s);
-}
-
+ * which the state machine inlines for every lru_list policy. */
 static LsSlot *lru_victim(LsLayer *L) {
     return L->list.prev == &L->list ? NULL : L->list.prev;
 }
 
 const LsPolicy ls_policy_lru = {
     .name = "lru",
-    .insert = lru_insert,
-    .remove = lru_remove,
+    .lru_list = true,
     .victim = lru_victim,
 };
 
@@ -448,16 +440,6 @@ static void cooc_step(LsLayer *L, const int *experts, int count) {
     p->g = g;
 }
 
-static void cooc_insert(LsLayer *L, LsSlot *v, bool cold) {
-    v->pol_value = cold ? 1.0 : 0.0;
-    ls_lru_insert(L, v, cold);
-}
-
-static void cooc_remove(LsLayer *L, LsSlot *v) {
-    (void)L;
-    ls_lru_remove(v);
-}
-
 static LsSlot *cooc_victim(LsLayer *L) {
     LsCooc *p = L->pol;
     LsSlot *v = L->list.prev;
@@ -485,8 +467,7 @@ static LsSlot *cooc_victim(LsLayer *L) {
 
 const LsPolicy ls_policy_cooc = {
     .name = "cooc",
-    .insert = cooc_insert,
-    .remove = cooc_remove,
+    .lru_list = true,             /* the state machine keeps the list and the cold flag */
     .victim = cooc_victim,
     .step = cooc_step,
     .init = cooc_init,

@@ -63,15 +63,19 @@
  * default, is called directly (inlined) rather than through the table. */
 static inline void ls_set_insert(LsLayer *L, LsSlot *v, bool cold) {
     assert(!v->evictable);
-    if (L->policy == &ls_policy_lru) ls_lru_insert(L, v, cold);
-    else L->policy->insert(L, v, cold);
+    if (L->policy->lru_list) {
+        ls_lru_insert(L, v, cold);
+        v->pol_value = cold;      /* cooc tells the cold slots at the list's end by it */
+    } else {
+        L->policy->insert(L, v, cold);
+    }
     v->evictable = true;
     L->evictable++;
 }
 
 static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
     assert(v->evictable);
-    if (L->policy == &ls_policy_lru) ls_lru_remove(v);
+    if (L->policy->lru_list) ls_lru_remove(v);
     else L->policy->remove(L, v);
     v->evictable = false;
     L->evictable--;
