@@ -185,6 +185,19 @@ def _apply_groups(qt: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g: np.n
     return w.T
 
 
+def _scales_and_zeros(qt: np.ndarray, scales: np.ndarray, zeros: np.ndarray, packed_zeros: np.ndarray,
+                      what: str) -> tuple[int, np.ndarray, np.ndarray]:
+    """(input rows, float32 scales, unpacked zeros) of a GPTQ/AWQ weight whose
+    transposed nibbles are ``qt``, after checking that they fit together."""
+    sc = np.asarray(scales).astype(np.float32)
+    cols, rows = qt.shape
+    if sc.ndim != 2 or sc.shape[1] != cols:
+        raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
+    if zeros.shape != sc.shape:
+        raise FormatError(f"{what}: qzeros {list(np.shape(packed_zeros))} do not fit scales {list(sc.shape)}")
+    return rows, sc, zeros
+
+
 def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
                   g_idx: np.ndarray | None = None, *, group_size: int = 0,
                   zeros_minus_one: bool = True, what: str = "GPTQ weight") -> np.ndarray:
@@ -198,13 +211,7 @@ def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
     # Word row k holds input rows 8k..8k+7 of each column: the transposed
     # words unpack along their rows straight into (out, in).
     qt = _nibbles_along_rows(np.ascontiguousarray(words.T))
-    sc = np.asarray(scales).astype(np.float32)
-    cols, rows = qt.shape
-    if sc.ndim != 2 or sc.shape[1] != cols:
-        raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
-    z = _nibbles_along_rows(qzeros)
-    if z.shape != sc.shape:
-        raise FormatError(f"{what}: qzeros {list(np.shape(qzeros))} do not fit scales {list(sc.shape)}")
+    rows, sc, z = _scales_and_zeros(qt, scales, _nibbles_along_rows(qzeros), qzeros, what)
     if zeros_minus_one:
         z = z + 1  # uint8: 15 + 1 is 16, not 0
     g = _groups_of_rows(rows, sc.shape[0], group_size, g_idx, what)
@@ -219,13 +226,7 @@ def awq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray, *,
     uses group ``i // group_size`` (0: one group). The result is the
     transpose of a C-contiguous (out, in) array."""
     qt = _awq_transposed(qweight)
-    sc = np.asarray(scales).astype(np.float32)
-    cols, rows = qt.shape
-    if sc.ndim != 2 or sc.shape[1] != cols:
-        raise FormatError(f"{what}: scales {list(sc.shape)} do not fit a ({rows}, {cols}) weight")
-    z = _awq_natural(qzeros)
-    if z.shape != sc.shape:
-        raise FormatError(f"{what}: qzeros {list(np.shape(qzeros))} do not fit scales {list(sc.shape)}")
+    rows, sc, z = _scales_and_zeros(qt, scales, _awq_natural(qzeros), qzeros, what)
     g = _groups_of_rows(rows, sc.shape[0], group_size, None, what)
     return _apply_groups(qt, z, sc, g)
 

@@ -38,7 +38,7 @@ import os
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Iterator, Mapping, Union
+from typing import Any, Iterator, Mapping, Union
 
 from . import _dtypes
 from .errors import FormatError, UnknownExpertError
@@ -728,13 +728,10 @@ _INT4_SUFFIXES = ("_packed", "_scale", "_zero_point", "_shape")
 _INT4_SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
-def _read_small(info: TensorInfo) -> np.ndarray:
-    """The values of a small integer tensor (a weight_shape), read from its file."""
+def _read_int_tensor(info: Any) -> np.ndarray:
+    """The little-endian I32 or I64 values of a tensor the caller checked is small."""
     dt = _dtypes.lookup(info.dtype)
-    if dt is None or info.dtype not in ("I32", "I64") or info.nbytes > 64:
-        raise FormatError(f"tensor {info.name!r} ({info.path}) must be a small I32 or I64 "
-                          f"tensor, not {info.dtype}{list(info.shape)}")
-    assert dt.numpy is not None
+    assert dt is not None and dt.numpy is not None
     try:
         with open(info.path, "rb") as f:
             f.seek(info.offset)
@@ -744,6 +741,13 @@ def _read_small(info: TensorInfo) -> np.ndarray:
     if len(raw) != info.nbytes:
         raise FormatError(f"{info.path} ends inside tensor {info.name!r}")
     return np.frombuffer(raw, dtype=dt.numpy.newbyteorder("<"))
+
+def _read_small(info: TensorInfo) -> np.ndarray:
+    """The values of a small integer tensor (a weight_shape), read from its file."""
+    if info.dtype not in ("I32", "I64") or info.nbytes > 64:
+        raise FormatError(f"tensor {info.name!r} ({info.path}) must be a small I32 or I64 "
+                          f"tensor, not {info.dtype}{list(info.shape)}")
+    return _read_int_tensor(info).reshape(-1)
 
 
 def _quant_config(files: tuple[str, ...]) -> dict[str, object]:
@@ -760,6 +764,24 @@ def _quant_config(files: tuple[str, ...]) -> dict[str, object]:
         return {}
     return weights if isinstance(weights, dict) else {}
 
+
+def _check_int4_columns_and_bits(where: str, name: str, cols: int, config: Mapping[str, Any]) -> None:
+    """A pack-quantized int4 weight of ``cols`` columns, as config.json describes it."""
+    if cols % 8:
+        raise FormatError(f"{where}: {name!r}: {cols} columns are not a multiple of 8; "
+                          "padded int4 rows are not supported")
+    bits = config.get("num_bits", 4)
+    if bits != 4:
+        raise FormatError(f"{where}: {name!r}: num_bits {bits} in config.json; "
+                          "only 4-bit pack-quantized weights are supported")
+
+
+def _check_int4_group(where: str, scale_name: str, group: int, config: Mapping[str, Any]) -> None:
+    """The groups the scales imply agree with config.json's group_size."""
+    want_group = config.get("group_size")
+    if isinstance(want_group, int) and want_group > 0 and want_group != group:
+        raise FormatError(f"{where}: scale {scale_name!r} has groups of {group} columns but "
+                          f"config.json says group_size {want_group}")
 
 def _int4_role(where: str, parts: dict[str, TensorInfo], config: Mapping[str, object]
                ) -> tuple[tuple[int, int], int]:
@@ -781,13 +803,7 @@ def _int4_role(where: str, parts: dict[str, TensorInfo], config: Mapping[str, ob
         raise FormatError(
             f"{where}: packed tensor {packed.name!r} has shape {list(packed.shape)}, but "
             f"weight_shape [{rows}, {cols}] packs into [{rows}, {-(-cols // 8)}] I32 words")
-    if cols % 8:
-        raise FormatError(f"{where}: {packed.name!r}: {cols} columns are not a multiple of 8; "
-                          "padded int4 rows are not supported")
-    bits = config.get("num_bits", 4)
-    if bits != 4:
-        raise FormatError(f"{where}: {packed.name!r}: num_bits {bits} in config.json; "
-                          "only 4-bit pack-quantized weights are supported")
+    _check_int4_columns_and_bits(where, packed.name, cols, config)
     scale = parts["_scale"]
     if scale.dtype not in _INT4_SCALE_DTYPES or len(scale.shape) != 2 \
             or scale.shape[0] != rows or scale.shape[1] <= 0 or cols % scale.shape[1]:
@@ -796,10 +812,7 @@ def _int4_role(where: str, parts: dict[str, TensorInfo], config: Mapping[str, ob
             f"shape [{rows}, {cols}] needs [{rows}, groups] scales ({'/'.join(_INT4_SCALE_DTYPES)}) "
             "with groups dividing the columns")
     group = cols // scale.shape[1]
-    want_group = config.get("group_size")
-    if isinstance(want_group, int) and want_group > 0 and want_group != group:
-        raise FormatError(f"{where}: scale {scale.name!r} has groups of {group} columns but "
-                          f"config.json says group_size {want_group}")
+    _check_int4_group(where, scale.name, group, config)
     zero = parts.get("_zero_point")
     if zero is not None and (zero.dtype != "I32" or zero.shape != (-(-rows // 8), scale.shape[1])):
         raise FormatError(
@@ -1025,17 +1038,7 @@ def _stacked_shapes(info: TensorInfo) -> np.ndarray:
     if info.dtype not in ("I32", "I64") or len(info.shape) != 2 or info.nbytes > (1 << 20):
         raise FormatError(f"tensor {info.name!r} ({info.path}) must be an I32 or I64 "
                           f"[experts, 2 or 4] tensor, not {info.dtype}{list(info.shape)}")
-    dt = _dtypes.lookup(info.dtype)
-    assert dt is not None and dt.numpy is not None
-    try:
-        with open(info.path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.nbytes)
-    except OSError as exc:
-        raise FormatError(f"cannot read {info.name!r} from {info.path}: {exc}") from None
-    if len(raw) != info.nbytes:
-        raise FormatError(f"{info.path} ends inside tensor {info.name!r}")
-    return np.frombuffer(raw, dtype=dt.numpy.newbyteorder("<")).reshape(info.shape)
+    return _read_int_tensor(info).reshape(info.shape)
 
 
 def _stacked_int4_role(where: str, role: str, parts: dict[str, TensorInfo],
@@ -1068,13 +1071,7 @@ def _stacked_int4_role(where: str, role: str, parts: dict[str, TensorInfo],
         raise FormatError(
             f"{where}: packed tensor {packed.name!r} has shape {list(packed.shape)}, but "
             f"weight_shape {row} packs into [experts, {rows}, {-(-cols // 8)}] I32 words")
-    if cols % 8:
-        raise FormatError(f"{where}: {packed.name!r}: {cols} columns are not a multiple of 8; "
-                          "padded int4 rows are not supported")
-    bits = config.get("num_bits", 4)
-    if bits != 4:
-        raise FormatError(f"{where}: {packed.name!r}: num_bits {bits} in config.json; "
-                          "only 4-bit pack-quantized weights are supported")
+    _check_int4_columns_and_bits(where, packed.name, cols, config)
     if scale.dtype not in _INT4_SCALE_DTYPES or scale.shape[1] != rows or scale.shape[2] <= 0 \
             or cols % scale.shape[2]:
         raise FormatError(
@@ -1082,10 +1079,7 @@ def _stacked_int4_role(where: str, role: str, parts: dict[str, TensorInfo],
             f"[{rows}, {cols}] needs [experts, {rows}, groups] scales ({'/'.join(_INT4_SCALE_DTYPES)}) "
             "with groups dividing the columns")
     group = cols // scale.shape[2]
-    want_group = config.get("group_size")
-    if isinstance(want_group, int) and want_group > 0 and want_group != group:
-        raise FormatError(f"{where}: scale {scale.name!r} has groups of {group} columns but "
-                          f"config.json says group_size {want_group}")
+    _check_int4_group(where, scale.name, group, config)
     zero = parts.get(".weight_zero_point")
     if zero is not None:
         if role == "gate_up" and (rows // 2) % 8:
