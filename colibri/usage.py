@@ -395,7 +395,8 @@ def warm_order(history: Usage, room: Mapping[int, int], skip: Iterable[tuple[int
         want = room.get(layer, 0)
         if want <= 0:
             continue
-        ranked = [k for k in history.hottest(want + sum(1 for l, _ in skipped if l == layer)) if k[0] == layer]
+        c = history.counts(layer)
+        ranked = [(layer, int(e)) for e in np.argsort(-c, kind="stable") if c[e] > 0]
         out += list(reversed([k for k in ranked if k not in skipped][:want]))
     return out
 
