@@ -70,12 +70,55 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 def load_all_tensors(model: SyntheticModel) -> dict[str, np.ndarray]:
     """Every tensor of the model, read with safetensors.numpy.load_file."""
+    return load_safetensors(model.files)
+
+
+def load_safetensors(files) -> dict[str, np.ndarray]:
+    """Every tensor of these .safetensors files (or of every one in a
+    directory), read with safetensors.numpy.load_file."""
     from safetensors.numpy import load_file
 
+    if isinstance(files, Path):
+        files = sorted(files.glob("*.safetensors"))
     tensors: dict[str, np.ndarray] = {}
-    for f in model.files:
+    for f in files:
         tensors.update(load_file(str(f)))
     return tensors
+
+
+def assert_lease_parts_equal_safetensors(path: Path, *, prefetch_workers: int = 0) -> int:
+    """Leases every expert of the checkpoint in ``path`` and checks each part
+    (named "tensor", or "tensor[e]" for expert e of a stacked tensor) against
+    what safetensors loads: shape, dtype, bytes, read-only. Returns the number
+    of parts checked."""
+    import colibri
+    from colibri.layouts import scan_model
+
+    tensors = load_safetensors(path)
+    model = scan_model(path)
+    checked = 0
+    with colibri.open_store(path, slots_per_layer=2, prefetch_workers=prefetch_workers) as store:
+        for layer, expert in model.keys():
+            info = model.expert(layer, expert)
+            with store.lease(layer, expert) as ex:
+                parts = ex.parts
+                assert list(parts) == [n for n in info.part_names() if n is not None]
+                for name, where in zip(info.part_names(), info.part_infos()):
+                    if name is None:
+                        continue
+                    assert where is not None
+                    if where.name.endswith("]"):
+                        base, index = where.name[:-1].rsplit("[", 1)
+                        want = tensors[base][int(index)]
+                    else:
+                        want = tensors[where.name]
+                    got = parts[name]
+                    assert got.shape == want.shape and got.dtype == want.dtype
+                    assert not got.flags.writeable
+                    assert got.tobytes() == want.tobytes(), (layer, expert, name)
+                    checked += 1
+                del parts, got
+    return checked
 
 
 _EXPECTED_CACHE: dict[Path, dict] = {}

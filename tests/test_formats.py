@@ -23,6 +23,7 @@ import colibri
 from colibri import moe
 from colibri.errors import FormatError
 from colibri.layouts import scan_model
+from conftest import assert_lease_parts_equal_safetensors, load_safetensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,13 +37,6 @@ from compressed_tensors.quantization.utils.helpers import calculate_qparams  # n
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, LAYERS = 64, 32, 4, 2
-
-
-def _load_all(path: Path) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _gpt_oss_config() -> Any:
@@ -95,7 +89,7 @@ def gpt_oss_mxfp4(gpt_oss: Path, tmp_path_factory: Any) -> Path:
     path = Path(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
     rng = np.random.default_rng(3)
     tensors: dict[str, np.ndarray] = {}
-    for name, value in _load_all(gpt_oss).items():
+    for name, value in load_safetensors(gpt_oss).items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             experts, inp, out = value.shape
             tensors[name + "_blocks"] = rng.integers(0, 256, (experts, out, inp // 32, 16), dtype=np.uint8)
@@ -185,38 +179,6 @@ def int4(request: Any, tmp_path_factory: Any) -> tuple[Path, dict[tuple[int, int
 # ---------------------------------------------------------------- byte equality
 
 
-def _expected_part(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
-    """What safetensors loads for a part named "tensor" or "tensor[e]"."""
-    if name.endswith("]"):
-        base, index = name[:-1].rsplit("[", 1)
-        return tensors[base][int(index)]
-    return tensors[name]
-
-
-def _assert_parts_equal(path: Path) -> int:
-    tensors = _load_all(path)
-    model = scan_model(path)
-    checked = 0
-    with colibri.open_store(path, slots_per_layer=2, prefetch_workers=0) as store:
-        for layer, expert in model.keys():
-            info = model.expert(layer, expert)
-            with store.lease(layer, expert) as ex:
-                parts = ex.parts
-                names = [n for n in info.part_names() if n is not None]
-                assert list(parts) == names
-                for name, where in zip(info.part_names(), info.part_infos()):
-                    if name is None:
-                        continue
-                    assert where is not None
-                    want = _expected_part(tensors, where.name)
-                    got = parts[name]
-                    assert got.shape == want.shape and not got.flags.writeable
-                    assert got.tobytes() == want.tobytes(), (layer, expert, name)
-                    checked += 1
-                del parts, got
-    return checked
-
-
 def test_gpt_oss_layout_and_bytes(gpt_oss: Path) -> None:
     model = scan_model(gpt_oss)
     assert model.layout == "gpt_oss" and len(set(t.file for t in model.expert(0, 0).tensors())) >= 1
@@ -226,7 +188,7 @@ def test_gpt_oss_layout_and_bytes(gpt_oss: Path) -> None:
     assert ex.part_names() == ("gate_up", None, "down", None, None, None, "gate_up_bias", "down_bias")
     assert ex.gate.name == "model.layers.1.mlp.experts.gate_up_proj[2]"
     assert ex.gate.shape == (HIDDEN, 2 * INTER) and ex.down.shape == (INTER, HIDDEN)
-    assert _assert_parts_equal(gpt_oss) == LAYERS * EXPERTS * 4
+    assert assert_lease_parts_equal_safetensors(gpt_oss) == LAYERS * EXPERTS * 4
 
 
 def test_gpt_oss_mxfp4_layout_and_bytes(gpt_oss_mxfp4: Path) -> None:
@@ -237,7 +199,7 @@ def test_gpt_oss_mxfp4_layout_and_bytes(gpt_oss_mxfp4: Path) -> None:
     assert ex.block_shape("gate") == (1, 32)
     assert ex.part_names() == ("gate_up", None, "down", "gate_up_scale", None, "down_scale",
                                "gate_up_bias", "down_bias")
-    assert _assert_parts_equal(gpt_oss_mxfp4) == LAYERS * EXPERTS * 6
+    assert assert_lease_parts_equal_safetensors(gpt_oss_mxfp4) == LAYERS * EXPERTS * 6
     # A quarter of the f32 weights' bytes plus one scale byte per 32 values.
     values = 3 * INTER * HIDDEN
     assert ex.nbytes == values // 2 + values // 32 + 4 * (2 * INTER + HIDDEN)
@@ -248,11 +210,11 @@ def test_llama4_and_stacked_layouts_and_bytes(llama4: Path, stacked: tuple[Path,
     ex = model.expert(0, 1)
     assert (model.layout, ex.fused, ex.transposed) == ("llama4", "concatenated", True)
     assert not any("shared_expert" in t.name for t in ex.tensors())
-    assert _assert_parts_equal(llama4) == LAYERS * EXPERTS * 2
+    assert assert_lease_parts_equal_safetensors(llama4) == LAYERS * EXPERTS * 2
     model = scan_model(stacked[0])
     ex = model.expert(0, 1)
     assert (model.layout, ex.fused, ex.transposed) == ("stacked", "concatenated", False)
-    assert _assert_parts_equal(stacked[0]) == EXPERTS * 2
+    assert assert_lease_parts_equal_safetensors(stacked[0]) == EXPERTS * 2
 
 
 def test_int4_layout_and_bytes(int4: tuple[Path, Any, bool]) -> None:
@@ -263,14 +225,14 @@ def test_int4_layout_and_bytes(int4: tuple[Path, Any, bool]) -> None:
     assert ex.shape("gate") == (INTER, HIDDEN) and ex.shape("down") == (HIDDEN, INTER)
     assert ex.gate.name == "model.layers.1.mlp.experts.2.gate_proj.weight_packed"
     assert [n for n, _ in ex.extras] == ([] if symmetric else ["gate_zero", "up_zero", "down_zero"])
-    assert _assert_parts_equal(path) == LAYERS * EXPERTS * (6 if symmetric else 9)
+    assert assert_lease_parts_equal_safetensors(path) == LAYERS * EXPERTS * (6 if symmetric else 9)
 
 
 # ---------------------------------------------------------------- numeric equality
 
 
 def test_mxfp4_equals_transformers_convert(gpt_oss_mxfp4: Path) -> None:
-    tensors = _load_all(gpt_oss_mxfp4)
+    tensors = load_safetensors(gpt_oss_mxfp4)
     with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=2) as store:
         for layer, expert in [(0, 0), (1, 3)]:
             with store.lease(layer, expert) as ex:
@@ -478,7 +440,7 @@ def test_mxfp4_hostile(gpt_oss_mxfp4: Path, tmp_path: Path) -> None:
 
 
 def test_fused_hostile(gpt_oss: Path, tmp_path: Path) -> None:
-    tensors = _load_all(gpt_oss)
+    tensors = load_safetensors(gpt_oss)
     base = "model.layers.0.mlp.experts."
     cases = {
         "bias": {base + "gate_up_proj_bias": tensors[base + "gate_up_proj_bias"][:, :-2].copy()},

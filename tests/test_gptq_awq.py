@@ -25,12 +25,13 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
 from colibri.layouts import scan_model
+from conftest import assert_lease_parts_equal_safetensors, load_safetensors
 
 torch = pytest.importorskip("torch")
 
@@ -149,13 +150,6 @@ def _write_checkpoint(path: Path, scheme: str, *, layout: str = "mlp_experts",
     return path
 
 
-def _load_all(path: Path) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 CASES = {
     # GPTQ v1 (checkpoint_format gptq) with act-order g_idx, in config.json.
     "gptq-act-order": dict(scheme="gptq"),
@@ -208,24 +202,7 @@ def test_layout_and_parts_equal_safetensors(checkpoint: tuple[Path, dict[str, An
     zero_bytes = scale_bytes // 4
     assert ex.nbytes == 3 * HIDDEN * INTER // 2 + scale_bytes + zero_bytes \
         + (4 * (2 * HIDDEN + INTER) if has_g_idx else 0)
-    tensors = _load_all(path)
-    checked = 0
-    with colibri.open_store(path, slots_per_layer=2, prefetch_workers=1) as store:
-        for layer, expert in model.keys():
-            info = model.expert(layer, expert)
-            with store.lease(layer, expert) as lease:
-                parts = lease.parts
-                assert list(parts) == [n for n in info.part_names() if n is not None]
-                for name, where in zip(info.part_names(), info.part_infos()):
-                    if name is None:
-                        continue
-                    assert where is not None
-                    want, got = tensors[where.name], parts[name]
-                    assert got.shape == want.shape and got.dtype == want.dtype
-                    assert not got.flags.writeable
-                    assert got.tobytes() == want.tobytes(), (layer, expert, name)
-                    checked += 1
-                del parts, got
+    checked = assert_lease_parts_equal_safetensors(path, prefetch_workers=1)
     assert checked == LAYERS * EXPERTS * (12 if has_g_idx else 9)
 
 
@@ -271,7 +248,7 @@ def test_dequantize_equals_references(checkpoint: tuple[Path, dict[str, Any]],
     from colibri.torch_interop import dequantize_torch
 
     path, case = checkpoint
-    tensors = _load_all(path)
+    tensors = load_safetensors(path)
     model = scan_model(path)
     with colibri.open_store(path, slots_per_layer=2) as store:
         for layer, expert in [(0, 0), (1, 3), (1, 1)]:
@@ -297,7 +274,7 @@ def test_zero_point_sixteen_in_the_original_gptq_format(tmp_path: Path, auto_gpt
     """A stored zero nibble of 15 is zero point 16 in the original format, as
     AutoGPTQ's grouped path reads it (15 + 1, not wrapped to 0)."""
     path = _write_checkpoint(tmp_path, "gptq", zero_range=(15, 16))
-    tensors = _load_all(path)
+    tensors = load_safetensors(path)
     with colibri.open_store(path, slots_per_layer=1) as store:
         with store.lease(0, 0) as ex:
             got = colibri.dequantize(ex)
@@ -311,7 +288,7 @@ def test_moe_block_equals_reference_modules(checkpoint: tuple[Path, dict[str, An
     """colibri.moe over leased GPTQ/AWQ experts equals each expert computed
     with the references' own weights."""
     path, case = checkpoint
-    tensors = _load_all(path)
+    tensors = load_safetensors(path)
     model = scan_model(path)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, HIDDEN)).astype(np.float32)
