@@ -29,7 +29,7 @@ PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "lru_store.h")
 ERRORS_HEADER = "coli_errors.h"        # private: only its enum of error codes goes to cdef
 TEST_HOOKS_HEADER = "lru_test_hooks.h"  # compiled in, for the tests only
 SOURCES = ("lru_store.c", "ls_slots.c", "ls_policy.c", "ls_lookup.c", "ls_prefetch.c",
-           "expert_reader.c", "io_pool.c")
+           "expert_reader.c", "coli_formats.c", "io_pool.c")
 
 
 def _declarations(header_text: str) -> str:
