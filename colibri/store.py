@@ -60,7 +60,7 @@ AVAILABLE_MEMORY_ENV = "COLIBRI_AVAILABLE_MEMORY"
 
 def _policy_names() -> tuple[str, ...]:
     names: list[str] = []
-    while (name := lib.coli_lru_policy_name(len(names))) != ffi.NULL:
+    while (name := lib.coli_store_policy_name(len(names))) != ffi.NULL:
         names.append(ffi.string(name).decode())
     return tuple(names)
 
@@ -145,7 +145,7 @@ class LeaseGroup(tuple):  # type: ignore[type-arg]
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """What a C store is created with (its ``ColiLruConfig``), as
+    """What a C store is created with (its ``ColiStoreConfig``), as
     :func:`open_store` and :func:`open_replay_store` checked them."""
 
     slots_per_layer: SlotsPerLayer | None
@@ -194,7 +194,7 @@ class Store:
             TenancyBuilder({layer: _layer_arrays(model, layer) for layer in model.layers},
                            _locator(self._handle)).build,
             defer,
-            limit=2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16,
+            limit=2 * sum(int(lib.coli_store_layer_slots(self._handle, l)) for l in model.layers) + 16,
         )
         self._leaser = Leaser(
             self._handle,
@@ -211,7 +211,7 @@ class Store:
         )
         self._lease = self._leaser.lease
         self.prefetch_workers = options.prefetch_workers
-        self._direct = options.direct_io and not lib.coli_lru_direct_io_fallback(self._handle)
+        self._direct = options.direct_io and not lib.coli_store_direct_io_fallback(self._handle)
 
     @property
     def direct_io(self) -> bool:
@@ -240,7 +240,7 @@ class Store:
     def slots(self, layer: int) -> int:
         """Slots in ``layer``'s LRU."""
         self.num_experts(layer)
-        return int(lib.coli_lru_layer_slots(self._handle, layer))
+        return int(lib.coli_store_layer_slots(self._handle, layer))
 
     @property
     def closed(self) -> bool:
@@ -250,7 +250,7 @@ class Store:
     def active_leases(self) -> int:
         """C leases held now, including those kept alive by surviving arrays."""
         self._check_open()
-        return int(lib.coli_lru_active_leases(self._handle))
+        return int(lib.coli_store_active_leases(self._handle))
 
     # -- leases --
 
@@ -302,7 +302,7 @@ class Store:
         if ex.shape[2] > 32:
             raise FormatError(f"experts has k={ex.shape[2]} per token and layer; at most 32")
         err = ffi.new("char[]", _ERR_LEN)
-        rc = lib.coli_lru_replay(
+        rc = lib.coli_store_replay(
             self._handle,
             ffi.cast("int *", ffi.from_buffer(lay)),
             lay.shape[0],
@@ -350,7 +350,7 @@ class Store:
         if not 0 <= layer <= _INT_MAX:
             return 0  # no such layer: nothing to retire, as in C
         ids = ffi.new("int[]", kept) if kept else ffi.NULL
-        return int(lib.coli_lru_retire_prefetches(self._handle, layer, ids, len(kept)))
+        return int(lib.coli_store_retire_prefetches(self._handle, layer, ids, len(kept)))
 
     def wait_idle(self, layer: int | None = None, timeout: float | None = None) -> None:
         """Wait until no load is queued or in flight (in ``layer``, or anywhere).
@@ -361,7 +361,7 @@ class Store:
         if layer is not None:
             self.model.num_experts(layer)
         ns = _nanoseconds(timeout)
-        rc = lib.coli_lru_wait_idle(self._handle, -1 if layer is None else layer, ns)
+        rc = lib.coli_store_wait_idle(self._handle, -1 if layer is None else layer, ns)
         if rc != 0:
             where = "the store" if layer is None else f"layer {layer}"
             raise error_for(rc, f"loads in {where} still running after {timeout} s")
@@ -373,14 +373,14 @@ class Store:
         self._check_open()
         out = ffi.new("ColiExpertStoreStats *")
         self._ops.stats(self._handle, out)
-        return StoreStats.from_c(out, prefetch_pauses=int(lib.coli_lru_prefetch_pauses(self._handle)))
+        return StoreStats.from_c(out, prefetch_pauses=int(lib.coli_store_prefetch_pauses(self._handle)))
 
     def layer_stats(self, layer: int) -> StoreStats:
         """A snapshot of ``layer``'s counters (``capacity_bytes``: its slots;
         ``peak_inflight`` and ``prefetch_pauses`` are store-wide, so 0 here)."""
         self.num_experts(layer)
         out = ffi.new("ColiExpertStoreStats *")
-        if lib.coli_lru_layer_stats(self._handle, layer, out) != 0:  # pragma: no cover - checked above
+        if lib.coli_store_layer_stats(self._handle, layer, out) != 0:  # pragma: no cover - checked above
             raise UnknownExpertError(f"layer {layer} has no routed experts")
         return StoreStats.from_c(out, prefetch_pauses=0)
 
@@ -389,7 +389,7 @@ class Store:
         sum to the layer's ``requests``), indexed by expert."""
         n = self.num_experts(layer)
         out = np.zeros(n, dtype=np.uint64)
-        lib.coli_lru_expert_requests(self._handle, layer, ffi.cast("uint64_t *", ffi.from_buffer(out)), n)
+        lib.coli_store_expert_requests(self._handle, layer, ffi.cast("uint64_t *", ffi.from_buffer(out)), n)
         return out
 
     @property
@@ -397,24 +397,10 @@ class Store:
         """The pinned experts, as (layer, expert), by layer and expert. A pin
         whose load failed is dropped from it (its slot serves the layer's LRU)."""
         self._check_open()
-        n = int(lib.coli_lru_pinned(self._handle, ffi.NULL, 0))
+        n = int(lib.coli_store_pinned(self._handle, ffi.NULL, 0))
         keys = ffi.new("ColiExpertKey[]", max(n, 1))
-        n = min(n, int(lib.coli_lru_pinned(self._handle, keys, n)))
+        n = min(n, int(lib.coli_store_pinned(self._handle, keys, n)))
         return tuple((int(keys[i].layer), int(keys[i].expert)) for i in range(n))
-
-    def _inject_read_fault(self, nth: int, errno_value: int) -> None:
-        """Test hook: make the nth read from now fail with errno_value (0 disarms)."""
-        self._check_open()
-        lib.coli_lru_inject_read_fault(self._handle, nth, errno_value)
-
-    def _hold_prefetch_reads(self, hold: bool) -> None:
-        """Test hook: while held, begun prefetch reads wait before each chunk."""
-        self._check_open()
-        lib.coli_lru_hold_prefetch_reads(self._handle, int(bool(hold)))
-
-    def _held_prefetch_reads(self) -> int:
-        """Test hook: prefetch reads waiting on the hold now."""
-        return int(lib.coli_lru_held_prefetch_reads(self._handle))
 
     def close(self) -> None:
         """Free the cache memory. Refuses (LeaseError) while leases are held
@@ -424,7 +410,7 @@ class Store:
         if self._usage is not None:
             self._usage.collect()
         err = ffi.new("char[]", _ERR_LEN)
-        _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
+        _check(lib.coli_store_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
         if not self.replay:
             self._tenancies.clear()  # their addresses point into freed slot memory now
@@ -515,12 +501,12 @@ def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
 
 
 def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
-    """Slot offsets of every part of an expert (coli_lru_expert_parts)."""
+    """Slot offsets of every part of an expert (coli_store_expert_parts)."""
     size = 2 * len(ROLES) + int(lib.COLI_MAX_PARTS)  # each role's data and scales, then the extras
 
     def locate(layer: int, expert: int) -> tuple[int, ...]:
         out = ffi.new("uint64_t[]", size)
-        n = int(lib.coli_lru_expert_parts(handle, layer, expert, out, size))
+        n = int(lib.coli_store_expert_parts(handle, layer, expert, out, size))
         if n < 0:
             raise UnknownExpertError(f"layer {layer} has no expert {expert}")
         return tuple(out[0:n])
@@ -565,7 +551,7 @@ def _destroy_handle(handle: Any) -> None:
     # Reached from close() or from garbage collection of an unclosed store.
     # A store collected with leases alive (only possible in a reference cycle)
     # is leaked rather than freed under them.
-    if lib.coli_lru_active_leases(handle):
+    if lib.coli_store_active_leases(handle):
         log.warning("a colibri store was garbage-collected with leases held; leaking it")
         return
     handle.ops.destroy(handle)
@@ -596,7 +582,7 @@ def _create_handle(model: ModelExperts, o: StoreOptions) -> Any:
             src.n_parts, src.parts = len(ex.extras), parts
     paths = [ffi.new("char[]", p.encode()) for p in model.files]
     files = ffi.new("const char *[]", paths)
-    cfg = ffi.new("ColiLruConfig *")
+    cfg = ffi.new("ColiStoreConfig *")
     cfg.files = files
     cfg.n_files = len(paths)
     cfg.experts = sources
@@ -626,7 +612,7 @@ def _create_handle(model: ModelExperts, o: StoreOptions) -> Any:
     cfg.read_without_advice = int(not o.read_advice)
     out = ffi.new("ColiExpertStore **")
     err = ffi.new("char[]", _ERR_LEN)
-    rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)
+    rc = lib.coli_store_create(cfg, out, err, _ERR_LEN)
     _check(rc, err)
     return ffi.gc(out[0], _destroy_handle)
 

@@ -276,14 +276,20 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
     return COLI_OK;
 }
 
-/* True when the armed fault hook says this read must fail. */
-static bool fault_fires(ColiFaultHook *fault) {
-    if (!fault) return false;
-    uint64_t cur = atomic_load(&fault->countdown);
+/* The errno a test build's injected fault gives this read, or 0. A
+ * production build has no fault to ask: 0, and the branch folds away. */
+static int injected_fault(const ColiFileSet *files) {
+#ifdef COLI_TEST_CONTROL
+    ColiReadFault *fault = files->fault;
+    uint64_t cur = fault ? atomic_load(&fault->countdown) : 0;
     while (cur != 0) {
-        if (atomic_compare_exchange_weak(&fault->countdown, &cur, cur - 1)) return cur == 1;
+        if (atomic_compare_exchange_weak(&fault->countdown, &cur, cur - 1))
+            return cur == 1 ? atomic_load(&fault->errno_value) : 0;
     }
-    return false;
+#else
+    (void)files;
+#endif
+    return 0;
 }
 
 /* Tells the kernel that bytes [from, from + len) of run rr (clipped to the
@@ -308,8 +314,7 @@ static ssize_t read_cached(int fd, unsigned char *dst, size_t len, off_t off) {
 }
 
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
-                     unsigned char *slot, ColiFaultHook *fault,
-                     const ColiReadPacer *pacer,
+                     unsigned char *slot, const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len) {
     *bytes_read = 0;
     /* O_DIRECT reads go in one call: the block layer splits it and keeps
@@ -342,8 +347,9 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
             if (chunk && want > chunk) want = chunk;
             unsigned char *dst = slot + rr->slot_offset + done;
             off_t at = (off_t)(rr->file_offset + done);
-            if (fault_fires(fault)) {
-                errno = atomic_load(&fault->errno_value);
+            int fault = injected_fault(files);
+            if (fault) {
+                errno = fault;
                 got = -1;
             } else if (probe) {
                 got = read_cached(fd, dst, want, at);

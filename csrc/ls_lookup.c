@@ -10,28 +10,12 @@
  * needs; its steps are prepare, wait for room, commit, read, join, finish.
  */
 #define _GNU_SOURCE
-#include "ls_internal.h"
+#include "ls_slots.h"
 
 #include <errno.h>
 #include <stdlib.h>
 
-void ls_deadline_after(struct timespec *ts, int64_t ns) {
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    ts->tv_sec += ns / 1000000000;
-    ts->tv_nsec += ns % 1000000000;
-    if (ts->tv_nsec >= 1000000000) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000;
-    }
-}
-
-int ls_layer_wait(LsLayer *L, const struct timespec *deadline) {
-    L->waiters++;
-    int rc = deadline ? pthread_cond_timedwait(&L->cv, &L->mu, deadline)
-                      : pthread_cond_wait(&L->cv, &L->mu);
-    L->waiters--;
-    return rc;
-}
+#include "coli_store.h"   /* coli_view_layout */
 
 /* A wait for room in a layer none of whose slots a lookup could take. While
  * a load is in flight it waits for that load, which frees or fills a slot.
@@ -87,10 +71,6 @@ static int demand_read(LsStore *s, LsLayer *L, LsSlot *v, ColiExpertView *view, 
 static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
                        bool hit_only, char *err, size_t n) {
     if (!view) return coli_fail(err, n, COLI_EINVAL, "lookup of layer %d expert %d: view is NULL", layer, expert);
-    if (!s) {
-        memset(view, 0, sizeof(*view));
-        return coli_fail(err, n, COLI_EINVAL, "lookup: not an LRU expert store");
-    }
     LsLayer *held = view->lease ? ls_find_layer(s, view->key.layer) : NULL;
     if (held) {
         /* Overwriting a live lease would leak it for good, so drop it and
@@ -158,10 +138,9 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
     }
 }
 
-static int guarded_lookup(ColiExpertStore *store, int layer, int expert, ColiExpertView *view,
-                          bool hit_only, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+int ls_lookup(LsStore *s, int layer, int expert, ColiExpertView *view, bool hit_only,
+              char *err, size_t n) {
+    LsLayer *L = ls_find_layer(s, layer);
     if (L && !ls_call_enter(s, &L->calls)) {
         if (view) memset(view, 0, sizeof(*view));
         return coli_fail(err, n, COLI_ECLOSED, "lookup of layer %d expert %d: the store is closed",
@@ -172,23 +151,13 @@ static int guarded_lookup(ColiExpertStore *store, int layer, int expert, ColiExp
     return rc;
 }
 
-int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
-                    ColiExpertView *view, char *err, size_t n) {
-    return guarded_lookup(store, layer, expert, view, false, err, n);
-}
-
-int coli_lru_lookup_resident(ColiExpertStore *store, int layer, int expert, ColiExpertView *view) {
-    int rc = guarded_lookup(store, layer, expert, view, true, NULL, 0);
-    return rc == COLI_OK ? COLI_OK : COLI_EAGAIN;
-}
-
 int ls_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view) {
-    return coli_lru_lookup(store, key.layer, key.expert, view, NULL, 0);
+    return ls_lookup(store->state, key.layer, key.expert, view, false, NULL, 0);   /* through ls_ops */
 }
 
 void ls_release_op(ColiExpertStore *store, ColiExpertView *view) {
-    LsStore *s = ls_store_of(store);
-    if (!s || !view || !view->lease) return;
+    LsStore *s = store->state;   /* reached through ls_ops: a store of ours */
+    if (!view || !view->lease) return;
     LsLayer *L = ls_find_layer(s, view->key.layer);
     if (!L) return;
     pthread_mutex_lock(&L->mu);
@@ -409,7 +378,7 @@ static void batch_finish(Batch *b, bool ok) {
 
 static int lookup_many_impl(LsStore *s, int layer, const int *experts,
                             int count, ColiExpertView *views, char *err, size_t n) {
-    if (!s || count < 0 || (count > 0 && (!experts || !views)))
+    if (count < 0 || (count > 0 && (!experts || !views)))
         return coli_fail(err, n, COLI_EINVAL, "lookup_many: bad arguments");
     memset(views, 0, sizeof(*views) * (size_t)count);
     if (count == 0) return COLI_OK;
@@ -450,10 +419,9 @@ static int lookup_many_impl(LsStore *s, int layer, const int *experts,
     return rc;
 }
 
-int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
-                         int count, ColiExpertView *views, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+int ls_lookup_many(LsStore *s, int layer, const int *experts, int count, ColiExpertView *views,
+                   char *err, size_t n) {
+    LsLayer *L = ls_find_layer(s, layer);
     if (L && !ls_call_enter(s, &L->calls)) {
         if (views && count > 0) memset(views, 0, sizeof(*views) * (size_t)count);
         return coli_fail(err, n, COLI_ECLOSED, "lookup_many of layer %d: the store is closed", layer);
@@ -473,10 +441,8 @@ static void release_views(LsLayer *L, ColiExpertView *views, int count) {
     memset(views, 0, sizeof(*views) * (size_t)count);
 }
 
-int coli_lru_replay(ColiExpertStore *store, const int *layers, int n_layers,
-                    const int32_t *experts, int64_t n_tokens, int k, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    if (!s) return coli_fail(err, n, COLI_EINVAL, "replay: not an LRU expert store");
+int ls_replay(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
+              int64_t n_tokens, int k, char *err, size_t n) {
     if (n_layers < 0 || n_tokens < 0 || k < 0 || (n_layers > 0 && !layers) ||
         (n_tokens > 0 && n_layers > 0 && k > 0 && !experts))
         return coli_fail(err, n, COLI_EINVAL, "replay: bad arguments (%d layers, %lld tokens, k %d)",
@@ -501,12 +467,37 @@ int coli_lru_replay(ColiExpertStore *store, const int *layers, int n_layers,
                 if (!seen) ids[count++] = row[j];
             }
             if (count == 0) continue;
-            int rc = coli_lru_lookup_many(store, layers[i], ids, count, views, local, sizeof local);
+            int rc = ls_lookup_many(s, layers[i], ids, count, views, local, sizeof local);
             if (rc != COLI_OK)
                 return coli_fail(err, n, rc, "replay: token %lld, layer %d: %s", (long long)t,
                                  layers[i], local);
             release_views(ls_find_layer(s, layers[i]), views, count);
         }
+    }
+    return COLI_OK;
+}
+
+/* ---- views ------------------------------------------------------------ */
+
+int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
+    if (!view || !view->lease || !out) return COLI_EINVAL;
+    const ColiTensorView *t[3] = {&view->gate, &view->up, &view->down};
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (int i = 0; i < 3; i++) {
+        uintptr_t d = (uintptr_t)t[i]->data, sc = (uintptr_t)t[i]->scales;
+        if (!t[i]->data) continue;    /* up of a fused gate_up */
+        if (d < lo) lo = d;
+        if (d + t[i]->data_bytes > hi) hi = d + t[i]->data_bytes;
+        if (t[i]->scales) {
+            if (sc < lo) lo = sc;
+            if (sc + t[i]->scale_bytes > hi) hi = sc + t[i]->scale_bytes;
+        }
+    }
+    out[0] = lo;
+    out[1] = hi - lo;
+    for (int i = 0; i < 3; i++) {
+        out[2 + i] = t[i]->data ? (uintptr_t)t[i]->data - lo : UINT64_MAX;
+        out[5 + i] = t[i]->scales ? (uintptr_t)t[i]->scales - lo : UINT64_MAX;
     }
     return COLI_OK;
 }

@@ -1,6 +1,7 @@
 /*
  * ls_policy.c: the eviction policies behind the seam (LsPolicy in
- * ls_internal.h). The state machine calls them under the layer mutex.
+ * ls_policy.h), and their names. The state machine calls them under the
+ * layer mutex.
  *
  * LRU. As in SQLite's page cache, "leased" means "not in the set", so the
  * set is one list: a hit unlinks in O(1) and the victim is always the tail,
@@ -64,11 +65,13 @@
  * O(m k); memory is n_entries^2 doubles per layer. docs/policies.md has the
  * study behind it.
  */
-#include "ls_internal.h"
+#include "ls_policy.h"
 
 #include <stdlib.h>
 
-/* The list operations are ls_lru_insert and ls_lru_remove (ls_internal.h),
+#include "coli_store.h"   /* COLI_POLICY_*, coli_store_policy_name */
+
+/* The list operations are ls_lru_insert and ls_lru_remove (ls_policy.h),
  * which the state machine inlines for every lru_list policy. */
 static LsSlot *lru_victim(LsLayer *L) {
     return L->list.prev == &L->list ? NULL : L->list.prev;
@@ -481,3 +484,9 @@ const LsPolicy *const ls_policies[] = {
     [COLI_POLICY_COOC] = &ls_policy_cooc,
     NULL,
 };
+
+const char *coli_store_policy_name(int policy) {
+    for (int i = 0; ls_policies[i]; i++)
+        if (i == policy) return ls_policies[i]->name;
+    return NULL;
+}

@@ -4,7 +4,7 @@
  * mutex; none reads a file or waits.
  */
 #define _GNU_SOURCE
-#include "ls_internal.h"
+#include "ls_slots.h"
 
 static void inflight_up(LsStore *s) {
     uint64_t now = atomic_fetch_add(&s->inflight, 1) + 1;

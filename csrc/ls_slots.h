@@ -1,5 +1,5 @@
 /*
- * ls_slots.h (private): the slot state machine of the LRU store.
+ * ls_slots.h (private): the slot state machine of the store.
  *
  * Each MoE layer owns a fixed array of slots carved from one page-aligned
  * arena. A slot is in one of four states, and only the transitions below
@@ -38,7 +38,7 @@
  * load unpins it (finish_load: EMPTY, an ordinary slot).
  *
  * A slot is in its layer's evictable set iff it is EMPTY, or RESIDENT with
- * zero leases and not pinned. The set is the policy's (ls_internal.h, the seam): "leased"
+ * zero leases and not pinned. The set is the policy's (ls_policy.h, the seam): "leased"
  * means "not in the set", so a hit leaves it in O(1) and the victim is the
  * policy's choice (for LRU the tail of a list, also O(1)).
  *
@@ -57,7 +57,8 @@
 #ifndef COLI_LS_SLOTS_H
 #define COLI_LS_SLOTS_H
 
-/* Included at the end of ls_internal.h, which defines the types. */
+#include "ls_internal.h"
+#include "ls_policy.h"
 
 /* v joins the evictable set (hot end, or cold: evicted first). LRU, the
  * default, is called directly (inlined) rather than through the table. */

@@ -1,7 +1,7 @@
-"""The C lease contract (csrc/expert_store.h, csrc/lru_store.h) through cffi.
+"""The C lease contract (csrc/expert_store.h, csrc/coli_store.h) through cffi.
 
 These tests drive ``coli_expert_lookup`` / ``coli_expert_release`` and the
-``coli_lru_*`` functions directly on the store's ``ColiExpertStore *``:
+``coli_store_*`` functions directly on the store's ``ColiExpertStore *``:
 zeroed views, double releases, failed lookups, NULL stores, stale generations
 after a slot was repurposed, lookups into a view that still holds a lease,
 out-of-range keys, and that the stats struct maps onto StoreStats field for
@@ -17,6 +17,7 @@ import pytest
 import colibri
 from colibri._ffi import ffi, lib
 from conftest import ROLES, expected_experts
+import core_control  # the test build's control
 
 VIEW_SIZE = ffi.sizeof("ColiExpertView")
 STATS_FIELDS = (
@@ -46,7 +47,7 @@ def tensor_bytes(t) -> bytes:
 
 
 def active(store) -> int:
-    return int(lib.coli_lru_active_leases(store._handle))
+    return int(lib.coli_store_active_leases(store._handle))
 
 
 def assert_view_matches(view, want, layer, expert, model):
@@ -215,7 +216,7 @@ def test_out_of_range_keys_are_not_found(store, layer, expert):
     assert lib.coli_expert_lookup(store._handle, key(layer, expert), view) == lib.COLI_ENOTFOUND == -2
     assert is_zeroed(view)
     err = ffi.new("char[]", lib.COLI_ERR_LEN)
-    assert lib.coli_lru_lookup(store._handle, layer, expert, view, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
+    assert lib.coli_store_lookup(store._handle, layer, expert, view, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
     message = ffi.string(err).decode()
     assert str(layer) in message
     assert is_zeroed(view)
@@ -229,13 +230,13 @@ def test_lookup_many_failure_zeroes_every_view(small_model):
         views = ffi.new("ColiExpertView[]", 3)
         err = ffi.new("char[]", lib.COLI_ERR_LEN)
         ids = ffi.new("int[]", [0, 1, 42])
-        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
+        assert lib.coli_store_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
         assert "42" in ffi.string(err).decode()
         for i in range(3):
             assert is_zeroed(views + i)
         assert active(store) == 0
         ids = ffi.new("int[]", [0, 1, 2])
-        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == 0
+        assert lib.coli_store_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == 0
         assert active(store) == 3
         for i in range(3):
             assert views[i].key.expert == i
@@ -262,11 +263,11 @@ def test_layer_slots_and_slot_bytes(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=3) as store:
         h = store._handle
         for layer in small_model.layers:
-            assert lib.coli_lru_layer_slots(h, layer) == 3
-            assert lib.coli_lru_slot_bytes(h, layer) >= small_model.expert_nbytes
+            assert lib.coli_store_layer_slots(h, layer) == 3
+            assert core_control.slot_bytes(h, layer) >= small_model.expert_nbytes
         for layer in (0, -1, 99):  # no experts there
-            assert lib.coli_lru_layer_slots(h, layer) == 0
-            assert lib.coli_lru_slot_bytes(h, layer) == 0
+            assert lib.coli_store_layer_slots(h, layer) == 0
+            assert core_control.slot_bytes(h, layer) == 0
 
 
 def test_prefetch_op_without_workers_accepts_nothing(store):
@@ -278,30 +279,30 @@ def test_prefetch_op_without_workers_accepts_nothing(store):
 
 
 def test_lookup_resident_takes_hits_only_and_changes_nothing_else(store, small_model):
-    """coli_lru_lookup_resident: the hit of coli_lru_lookup, counted alike;
+    """coli_store_lookup_resident: the hit of coli_store_lookup, counted alike;
     anything else is COLI_EAGAIN with a zeroed view and nothing counted."""
     want = expected_experts(small_model)
     view = new_view()
     before = store.stats()
     for layer, expert in [(1, 2), (0, 0), (1, 99), (-1, 0), (99, 0)]:   # missing, unknown
-        assert lib.coli_lru_lookup_resident(store._handle, layer, expert, view) == lib.COLI_EAGAIN
+        assert lib.coli_store_lookup_resident(store._handle, layer, expert, view) == lib.COLI_EAGAIN
         assert is_zeroed(view)
-    assert lib.coli_lru_lookup_resident(ffi.NULL, 1, 2, view) == lib.COLI_EAGAIN
+    assert lib.coli_store_lookup_resident(ffi.NULL, 1, 2, view) == lib.COLI_EAGAIN
     assert store.stats() == before and active(store) == 0
 
-    assert lib.coli_lru_lookup(store._handle, 1, 2, view, ffi.NULL, 0) == 0   # a miss loads it
+    assert lib.coli_store_lookup(store._handle, 1, 2, view, ffi.NULL, 0) == 0   # a miss loads it
     lib.coli_expert_release(store._handle, view)
     loaded = store.stats()
-    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, view) == 0       # now a hit
+    assert lib.coli_store_lookup_resident(store._handle, 1, 2, view) == 0       # now a hit
     assert_view_matches(view, want[(1, 2)], 1, 2, small_model)
     after = store.stats()
     assert (after.requests, after.hits, after.misses) == (loaded.requests + 1, loaded.hits + 1, loaded.misses)
     assert after.bytes_read == loaded.bytes_read
     held = new_view()
-    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, held) == 0       # a second lease of it
+    assert lib.coli_store_lookup_resident(store._handle, 1, 2, held) == 0       # a second lease of it
     lib.coli_expert_release(store._handle, held)
     lib.coli_expert_release(store._handle, view)
 
     store.close()
-    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, view) == lib.COLI_EAGAIN   # closed
+    assert lib.coli_store_lookup_resident(store._handle, 1, 2, view) == lib.COLI_EAGAIN   # closed
     assert is_zeroed(view)
