@@ -10,21 +10,23 @@
 
 /* THE POLICY SEAM. The evictable set of a layer (every EMPTY slot, and
  * every RESIDENT one without a lease and not pinned) belongs to its policy;
- * the state machine (ls_slots.c) tells it what changes, under the layer
- * mutex, and asks it for a victim. A policy keeps its state in the slots'
- * pol_* fields, in the layer's pol (its init allocates it) and may read
- * the layer's clock (one tick per lookup or lookup_many of the layer) and
- * requests_of. Only victim, and insert and remove unless lru_list, are
- * required. For a policy whose set is the LRU list (lru, cooc) the state
- * machine calls the list operations directly (ls_lru_insert/remove,
- * inlined) instead of through the table, so its hit path has no indirect
- * call for them. */
+ * the state machine (ls_slots.c, ls_slots.h) tells it what changes, under
+ * the layer mutex, and asks it for a victim. A policy keeps its state in
+ * the slots' pol_* fields and in the layer's pol (its init allocates it),
+ * and may read the layer's clock (one tick per lookup or lookup_many of the
+ * layer), requests_of, and a slot's state and expert; it writes nothing
+ * else.
+ *
+ * A policy whose set is ordered by recency (lru, cooc) says keeps_list: the
+ * set is then the layer's list (L->list, ls_list_*), which the state
+ * machine links and unlinks inline, so a hit makes no indirect call for
+ * it; such a policy's insert and remove, when it has them, hear of each
+ * change after the list's. Every other hook is optional too: NULL means the
+ * policy does nothing then. victim is required, and so are insert and
+ * remove for a policy that does not keep the list. */
 struct LsPolicy {
     const char *name;
-    /* The set is the layer's LRU list (list, ls_lru_insert/remove), which
-     * the state machine keeps inline, a slot's pol_value 1 if it joined
-     * cold, else 0; insert and remove are then unused. */
-    bool lru_list;
+    bool keeps_list;
     /* v joins the set: at the hot end (just released or loaded) or, with
      * cold, ahead of every slot there for eviction (emptied, demoted). */
     void (*insert)(LsLayer *L, LsSlot *v, bool cold);
@@ -47,14 +49,14 @@ struct LsPolicy {
 extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu, ls_policy_cooc;
 extern const LsPolicy *const ls_policies[];   /* indexed by COLI_POLICY_*, NULL-terminated */
 
-/* The LRU list (ls_policy.c describes it), inline for the hit path. */
-static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold) {
-    if (cold) {               /* at the LRU end */
+/* The list of a policy that keeps_list (ls_policy.c describes it). */
+static inline void ls_list_insert(LsLayer *L, LsSlot *s, bool cold) {
+    if (cold) {               /* at the cold end, the list's tail */
         s->prev = L->list.prev;
         s->next = &L->list;
         L->list.prev->next = s;
         L->list.prev = s;
-    } else {                  /* at the MRU end */
+    } else {                  /* at the hot end, its head */
         s->next = L->list.next;
         s->prev = &L->list;
         L->list.next->prev = s;
@@ -62,9 +64,14 @@ static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold) {
     }
 }
 
-static inline void ls_lru_remove(LsSlot *s) {
+static inline void ls_list_remove(LsSlot *s) {
     s->prev->next = s->next;
     s->next->prev = s->prev;
+}
+
+/* The list's coldest slot, or NULL when it is empty. */
+static inline LsSlot *ls_list_tail(LsLayer *L) {
+    return L->list.prev == &L->list ? NULL : L->list.prev;
 }
 
 /* A binary min-heap of slots for policies that order by a key: each slot's

@@ -137,9 +137,7 @@ int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count)
          * worker that pops it first blocks on L->mu until we are done. */
         uint64_t generation = v ? ls_next_generation(s) : 0;
         if (v && coli_pool_post(&s->pool, (ColiJob){v, generation}, false)) {
-            ls_slot_repurpose(s, L, v, e, keys[i].expert, LS_QUEUED, generation);
-            if (L->policy->assign) L->policy->assign(L, v, -1);
-            L->c.prefetched++;
+            ls_slot_queue_prefetch(s, L, v, e, keys[i].expert, generation);
             accepted++;
         }
         pthread_mutex_unlock(&L->mu);

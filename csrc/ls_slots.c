@@ -75,6 +75,13 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
     inflight_up(s);
 }
 
+void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
+                            uint64_t generation) {
+    ls_slot_repurpose(s, L, v, e, expert, LS_QUEUED, generation);
+    if (L->policy->assign) L->policy->assign(L, v, -1);
+    L->c.prefetched++;
+}
+
 void ls_slot_begin_read(LsLayer *L, LsSlot *v) {
     assert(v->state == LS_QUEUED);
     v->state = LS_READING;

@@ -23,6 +23,7 @@
  *   transition   from                              to
  *   repurpose    EMPTY, or RESIDENT unleased       QUEUED (prefetch) or READING
  *                (an eviction, counted)            (a demand miss), new generation
+ *   queue_prefetch  as repurpose                   QUEUED, for a posted prefetch job
  *   claim        its own QUEUED prefetch           READING (taken over), else as
  *                                                  repurpose (victim or queued slot)
  *   begin_read   QUEUED                            READING (a worker starts it)
@@ -60,24 +61,22 @@
 #include "ls_internal.h"
 #include "ls_policy.h"
 
-/* v joins the evictable set (hot end, or cold: evicted first). LRU, the
- * default, is called directly (inlined) rather than through the table. */
+/* v joins the evictable set (hot end, or cold: evicted first). */
 static inline void ls_set_insert(LsLayer *L, LsSlot *v, bool cold) {
+    const LsPolicy *p = L->policy;
     assert(!v->evictable);
-    if (L->policy->lru_list) {
-        ls_lru_insert(L, v, cold);
-        v->pol_value = cold;      /* cooc tells the cold slots at the list's end by it */
-    } else {
-        L->policy->insert(L, v, cold);
-    }
+    if (p->keeps_list) ls_list_insert(L, v, cold);
+    if (p->insert) p->insert(L, v, cold);
     v->evictable = true;
     L->evictable++;
 }
 
+/* v leaves the evictable set. */
 static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
+    const LsPolicy *p = L->policy;
     assert(v->evictable);
-    if (L->policy->lru_list) ls_lru_remove(v);
-    else L->policy->remove(L, v);
+    if (p->keeps_list) ls_list_remove(v);
+    if (p->remove) p->remove(L, v);
     v->evictable = false;
     L->evictable--;
 }
@@ -90,10 +89,7 @@ static inline void ls_tick(LsLayer *L, const int *experts, int count) {
 }
 
 /* The slot an eviction would take now, or NULL. */
-static inline LsSlot *ls_victim(LsLayer *L) {
-    if (L->policy == &ls_policy_lru) return L->list.prev == &L->list ? NULL : L->list.prev;
-    return L->policy->victim(L);
-}
+static inline LsSlot *ls_victim(LsLayer *L) { return L->policy->victim(L); }
 
 /* Copies slot v's view and its lease into view. */
 static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
@@ -105,7 +101,7 @@ static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
 /* lease: a hit. Takes a lease on resident slot v and counts it; rank is
  * the expert's place in the request (for the policy). */
 static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view, int rank) {
-    if (L->policy != &ls_policy_lru && L->policy->hit) L->policy->hit(L, v, rank);
+    if (L->policy->hit) L->policy->hit(L, v, rank);
     if (v->evictable) ls_set_remove(L, v);
     v->leases++;
     L->leases++;
@@ -150,6 +146,12 @@ static inline bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) 
  * builds the view its leases will copy. */
 void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
                        LsSlotState st, uint64_t generation);
+
+/* queue_prefetch: gives evictable slot v to entry e's expert for a prefetch
+ * whose job the caller posted with this generation (QUEUED, counted as
+ * prefetched; the policy hears of it). */
+void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
+                            uint64_t generation);
 
 /* claim: gives a demand miss of entry e's expert (neither resident nor
  * being read) a slot to read it into, marked READING: its own queued
