@@ -15,7 +15,7 @@ import logging
 import math
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence, Union
 
 import numpy as np
@@ -174,13 +174,13 @@ class Store:
 
     _usage: Any = None  # a colibri.usage.UsageTracker with open_store(usage_file=...)
 
-    def __init__(self, model: ModelExperts, options: StoreOptions) -> None:
+    def __init__(self, model: ModelExperts, options: StoreOptions, config: "_Config | None" = None) -> None:
         self.model = model
         self._closed = False
         #: True for a replay store (:func:`open_replay_store`): no bytes, no files
         self.replay = options.replay_expert_nbytes is not None
         self.policy = options.policy
-        self._handle = _create_handle(model, options)
+        self._handle = (config or _Config(model, options)).create()
         self._ops = self._handle.ops
         self._lease: Any
         if self.replay:
@@ -287,7 +287,7 @@ class Store:
         and each ``i``, one ``lease_many`` on layer ``layers[i]`` of the
         experts ``experts[t, i, :]`` that are >= 0 (repeats dropped), released
         before the next. ``layers`` is 1-D, ``experts`` has shape (tokens,
-        len(layers), k) with k <= 32; both integer arrays. Counters move as
+        len(layers), k), any k; both integer arrays. Counters move as
         they would for those calls from Python; on a replay store nothing is
         read. Raises the lookup's error (e.g. CacheFullError when a token asks
         more distinct experts of a layer than fit) naming token and layer.
@@ -299,8 +299,6 @@ class Store:
             raise FormatError(
                 f"experts has shape {ex.shape}: its second axis must match the {lay.shape[0]} layers"
             )
-        if ex.shape[2] > 32:
-            raise FormatError(f"experts has k={ex.shape[2]} per token and layer; at most 32")
         err = ffi.new("char[]", _ERR_LEN)
         rc = lib.coli_store_replay(
             self._handle,
@@ -502,7 +500,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
 
 def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
     """Slot offsets of every part of an expert (coli_store_expert_parts)."""
-    size = 2 * len(ROLES) + int(lib.COLI_MAX_PARTS)  # each role's data and scales, then the extras
+    size = int(lib.COLI_ROLE_PARTS) + int(lib.COLI_MAX_PARTS)  # each role's data and scales, then the extras
 
     def locate(layer: int, expert: int) -> tuple[int, ...]:
         out = ffi.new("uint64_t[]", size)
@@ -557,64 +555,86 @@ def _destroy_handle(handle: Any) -> None:
     handle.ops.destroy(handle)
 
 
-def _create_handle(model: ModelExperts, o: StoreOptions) -> Any:
-    keys = list(model.keys())
-    sources = ffi.new("ColiExpertSource[]", len(keys))
-    keep: list[Any] = []  # extra parts' arrays, alive until the store copied them
-    for i, (layer, expert) in enumerate(keys):
-        src = sources[i]
-        src.layer, src.expert = layer, expert
-        if o.replay_expert_nbytes is not None:
-            # Never read: the bytes only size the slots and count bytes_read.
-            src.gate.nbytes = o.replay_expert_nbytes
-            src.up.offset = src.down.offset = o.replay_expert_nbytes
-            continue
-        ex = model.expert(layer, expert)
-        for role in ROLES:
-            _fill_source(getattr(src, role), ex, role)
-        if ex.fused:
-            src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
-        if ex.extras:
-            parts = ffi.new("ColiPartSource[]", len(ex.extras))
-            for k, (_, info) in enumerate(ex.extras):
-                parts[k].file, parts[k].offset, parts[k].nbytes = info.file, info.offset, info.nbytes
-            keep.append(parts)
-            src.n_parts, src.parts = len(ex.extras), parts
-    paths = [ffi.new("char[]", p.encode()) for p in model.files]
-    files = ffi.new("const char *[]", paths)
-    cfg = ffi.new("ColiStoreConfig *")
-    cfg.files = files
-    cfg.n_files = len(paths)
-    cfg.experts = sources
-    cfg.n_experts = len(keys)
-    if isinstance(o.slots_per_layer, Mapping):
-        layer_slots = ffi.new("uint32_t[]", [o.slots_per_layer[layer] for layer in model.layers])
-        cfg.layer_slots = layer_slots
-        cfg.n_layer_slots = len(model.layers)
-    else:
-        cfg.slots_per_layer = o.slots_per_layer or 0
-    cfg.capacity_bytes = o.capacity_bytes or 0
-    cfg.policy = POLICIES.index(o.policy)
-    pinned = ffi.new("ColiExpertKey[]", list(o.pin)) if o.pin else ffi.NULL
-    cfg.pinned = pinned
-    cfg.n_pinned = len(o.pin)
-    warm_keys = ffi.new("ColiExpertKey[]", list(o.warm)) if o.warm else ffi.NULL
-    cfg.warm = warm_keys
-    cfg.n_warm = len(o.warm)
-    cfg.replay = int(o.replay_expert_nbytes is not None)
-    cfg.prefetch_workers = o.prefetch_workers
-    cfg.prefetch_queue_depth = o.prefetch_queue_depth
-    cfg.direct_io = int(bool(o.direct_io))
-    cfg.slot_wait_timeout_ns = _nanoseconds(o.slot_wait_timeout)
-    cfg.prefetch_never_pauses = int(not o.demand_first)
-    cfg.prefetch_chunk_bytes = o.prefetch_chunk_bytes
-    cfg.read_chunk_bytes = o.read_chunk_bytes
-    cfg.read_without_advice = int(not o.read_advice)
-    out = ffi.new("ColiExpertStore **")
-    err = ffi.new("char[]", _ERR_LEN)
-    rc = lib.coli_store_create(cfg, out, err, _ERR_LEN)
-    _check(rc, err)
-    return ffi.gc(out[0], _destroy_handle)
+class _Config:
+    """A store's ColiStoreConfig, built once from the model and its options,
+    with every cffi object it points into: C plans its slots from it
+    (:meth:`layer_slots`) and creates the store from it (:meth:`create`)."""
+
+    def __init__(self, model: ModelExperts, o: StoreOptions) -> None:
+        self.model = model
+        self._keep: list[Any] = []  # what cfg points into, alive while it is
+        cfg = self.cfg = ffi.new("ColiStoreConfig *")
+        keys = list(model.keys())
+        cfg.experts = self._sources(model, keys, replay=o.replay_expert_nbytes is not None)
+        cfg.n_experts = len(keys)
+        paths = [ffi.new("char[]", p.encode()) for p in model.files]
+        cfg.files = self._hold(ffi.new("const char *[]", paths), *paths)
+        cfg.n_files = len(paths)
+        if isinstance(o.slots_per_layer, Mapping):
+            cfg.layer_slots = self._hold(ffi.new("uint32_t[]", [o.slots_per_layer[l] for l in model.layers]))
+            cfg.n_layer_slots = len(model.layers)
+        else:
+            cfg.slots_per_layer = o.slots_per_layer or 0
+        cfg.capacity_bytes = o.capacity_bytes or 0
+        cfg.policy = POLICIES.index(o.policy)
+        cfg.replay = int(o.replay_expert_nbytes is not None)
+        cfg.replay_expert_bytes = o.replay_expert_nbytes or 0
+        cfg.prefetch_workers = o.prefetch_workers
+        cfg.prefetch_queue_depth = o.prefetch_queue_depth
+        cfg.direct_io = int(bool(o.direct_io))
+        cfg.slot_wait_timeout_ns = _nanoseconds(o.slot_wait_timeout)
+        cfg.prefetch_never_pauses = int(not o.demand_first)
+        cfg.prefetch_chunk_bytes = o.prefetch_chunk_bytes
+        cfg.read_chunk_bytes = o.read_chunk_bytes
+        cfg.read_without_advice = int(not o.read_advice)
+        self.preload(o.pin, o.warm)
+
+    def _hold(self, obj: Any, *more: Any) -> Any:
+        self._keep += [obj, *more]
+        return obj
+
+    def _sources(self, model: ModelExperts, keys: list[tuple[int, int]], replay: bool) -> Any:
+        """Every expert's ColiExpertSource; a replay store's need only their keys."""
+        sources = self._hold(ffi.new("ColiExpertSource[]", len(keys)))
+        for i, (layer, expert) in enumerate(keys):
+            src = sources[i]
+            src.layer, src.expert = layer, expert
+            if replay:
+                continue
+            ex = model.expert(layer, expert)
+            for role in ROLES:
+                _fill_source(getattr(src, role), ex, role)
+            if ex.fused:
+                src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
+            if ex.extras:
+                parts = self._hold(ffi.new("ColiPartSource[]", len(ex.extras)))
+                for k, (_, info) in enumerate(ex.extras):
+                    parts[k].file, parts[k].offset, parts[k].nbytes = info.file, info.offset, info.nbytes
+                src.n_parts, src.parts = len(ex.extras), parts
+        return sources
+
+    def preload(self, pin: Sequence[tuple[int, int]], warm: Sequence[tuple[int, int]]) -> None:
+        """The experts the store pins and warms at create."""
+        self.cfg.pinned = self._hold(ffi.new("ColiExpertKey[]", list(pin))) if pin else ffi.NULL
+        self.cfg.n_pinned = len(pin)
+        self.cfg.warm = self._hold(ffi.new("ColiExpertKey[]", list(warm))) if warm else ffi.NULL
+        self.cfg.n_warm = len(warm)
+
+    def layer_slots(self) -> dict[int, int]:
+        """Each layer's slots as C will give them (coli_store_plan_slots)."""
+        layers = self.model.layers
+        out = ffi.new("uint32_t[]", max(len(layers), 1))
+        err = ffi.new("char[]", _ERR_LEN)
+        n = lib.coli_store_plan_slots(self.cfg, out, len(layers), err, _ERR_LEN)
+        _check(min(n, 0), err)
+        assert n == len(layers), (n, layers)
+        return {layer: int(out[i]) for i, layer in enumerate(layers)}
+
+    def create(self) -> Any:
+        out = ffi.new("ColiExpertStore **")
+        err = ffi.new("char[]", _ERR_LEN)
+        _check(lib.coli_store_create(self.cfg, out, err, _ERR_LEN), err)
+        return ffi.gc(out[0], _destroy_handle)
 
 
 def _available_memory() -> int | None:
@@ -828,17 +848,14 @@ def open_store(
         pinned_bytes = _count(pinned_bytes, "pinned_bytes", minimum=0)
         if history is None:
             raise FormatError("pinned_bytes pins the hottest experts of a usage history: give usage_file")
-        pins = _usage.pins_for_store(history, model, pinned_bytes, slots_per_layer, capacity_bytes, pins)
-    if warm_start:
-        if history is None:
-            raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
-        warms = _usage.warm_for_store(history, model, slots_per_layer, capacity_bytes, pins, warms)
+    if warm_start and history is None:
+        raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
     if direct_io == "auto":
         direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
         log.info("direct_io=auto: %s", why)
     else:
         direct = direct_io
-    store = Store(model, StoreOptions(
+    options = StoreOptions(
         slots_per_layer=slots_per_layer,
         capacity_bytes=capacity_bytes,
         prefetch_workers=prefetch_workers,
@@ -852,7 +869,17 @@ def open_store(
         policy=policy,
         pin=pins,
         warm=warms,
-    ))
+    )
+    config = _Config(model, options)
+    if history is not None and (pinned_bytes is not None or warm_start):
+        slots = config.layer_slots()  # as C gives them: the budget over each layer's slot size
+        if pinned_bytes is not None:
+            pins = _usage.pins_for_store(history, model, pinned_bytes, slots, pins)
+        if warm_start:
+            warms = _usage.warm_for_store(history, slots, pins, warms)
+        options = replace(options, pin=pins, warm=warms)
+        config.preload(pins, warms)
+    store = Store(model, options, config)
     if direct_io is True and not store.direct_io:
         log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
     if history is not None and usage_file is not None:
@@ -885,8 +912,8 @@ def open_replay_store(
         raise FormatError("num_experts must be a non-empty mapping from layer to expert count")
     experts: dict[int, Mapping[int, Any]] = {}
     for layer in sorted(num_experts):
-        _count(layer, "a layer index", minimum=0, maximum=1_000_000)
-        n = _count(num_experts[layer], f"num_experts[{layer}]", minimum=1, maximum=1_000_001)
+        _count(layer, "a layer index", minimum=0, maximum=int(lib.COLI_MAX_LAYER_ID))
+        n = _count(num_experts[layer], f"num_experts[{layer}]", minimum=1, maximum=int(lib.COLI_MAX_EXPERT_ID) + 1)
         experts[layer] = _NoTensors(n)
     expert_nbytes = _count(expert_nbytes, "expert_nbytes", minimum=1, maximum=1 << 40)
     model = ModelExperts(files=(), layout="replay", experts=experts)

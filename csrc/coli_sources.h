@@ -38,6 +38,8 @@ typedef struct {
 } ColiPartSource;
 
 enum {
+    COLI_ROLE_PARTS = 6,            /* an expert's parts before its extra ones: gate, up and
+                                     * down data, then their scales */
     COLI_MAX_PARTS = 12,            /* extra parts per expert at most */
     /* ColiExpertSource.flags */
     COLI_SOURCE_FUSED_GATE_UP = 1   /* gate holds the fused gate_up; up is absent (all zero) */

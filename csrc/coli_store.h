@@ -78,7 +78,18 @@ typedef struct ColiStoreConfig {
     /* Appended for a warm start. */
     const ColiExpertKey *warm;      /* experts loaded at create into free slots, not pinned (see below) */
     int n_warm;
+    /* Appended for replay stores of a model without files. */
+    uint64_t replay_expert_bytes;   /* > 0, replay only: every expert takes this many bytes (its slot,
+                                     * and what a load counts), and only the layer and expert of
+                                     * each source are read */
 } ColiStoreConfig;
+
+/* Limits and counts of this API. */
+enum {
+    COLI_MAX_LAYER_ID = 1000000,    /* layer ids run 0..COLI_MAX_LAYER_ID */
+    COLI_MAX_EXPERT_ID = 1000000,   /* expert ids run 0..COLI_MAX_EXPERT_ID */
+    COLI_VIEW_LAYOUT_LEN = 8        /* the entries coli_view_layout writes */
+};
 
 #define COLI_DEFAULT_READ_CHUNK (256u << 10)
 
@@ -122,7 +133,9 @@ enum {
  * same store: lookups, leases, evictions and every counter behave as in a
  * live store fed the same calls (a load counts the bytes it would read),
  * but views carry no bytes (data and scales are NULL). Pins and warm
- * experts are resident when create returns. */
+ * experts are resident when create returns. Its sources are checked for
+ * format and shape but not against files; with replay_expert_bytes, it
+ * needs none: only their layer and expert. */
 
 /* Validates config, opens its files and allocates every slot. On success
  * *out is a store owned by the caller (free it with its destroy op) and 0 is
@@ -130,6 +143,16 @@ enum {
  * err holds the reason. */
 int coli_store_create(const ColiStoreConfig *config, ColiExpertStore **out,
                       char *err, size_t err_len);
+
+/* The slots of every MoE layer, in ascending layer-id order, that
+ * coli_store_create would give config, without opening a file or
+ * allocating slot memory: up to n of them into out. Returns the number of
+ * layers, or a negative COLI_E* code (err says why) for a config that
+ * create refuses for its budget, policy or experts. Files are not checked
+ * (create checks them) and direct_io is taken as granted: a file system
+ * that refuses O_DIRECT can only give a layer more slots, never fewer. */
+int coli_store_plan_slots(const ColiStoreConfig *config, uint32_t *out, int n,
+                          char *err, size_t err_len);
 
 /* The lookup op with the key as two ints and a message: on failure the view
  * is zeroed and err says what went wrong. err may be NULL. A view that
@@ -194,15 +217,16 @@ int coli_store_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns);
  * end of the highest; out[2..4] are the offsets of gate, up and down data from
  * out[0], out[5..7] of their scales (UINT64_MAX when unscaled). Returns
  * COLI_EINVAL (out untouched) for a view that holds no lease. */
-int coli_view_layout(const ColiExpertView *view, uint64_t out[8]);
+int coli_view_layout(const ColiExpertView *view, uint64_t out[COLI_VIEW_LAYOUT_LEN]);
 
 /* Where every part of an expert lies in its slot: out[0..2] get the slot
  * offsets of gate, up and down data, out[3..5] of their scales, out[6..]
- * of the extra parts in the order they were given (UINT64_MAX for a part
- * the expert has not), at most cap entries. A leased view's gate.data minus
- * out[0] is the slot's start, so each part's address follows. Returns the
- * number of entries the expert has (6 + its extra parts), or
- * COLI_ENOTFOUND for an unknown key. Plans are fixed at creation: no lock. */
+ * (from COLI_ROLE_PARTS on) of the extra parts in the order they were given
+ * (UINT64_MAX for a part the expert has not), at most cap entries. A leased
+ * view's gate.data minus out[0] is the slot's start, so each part's address
+ * follows. Returns the number of entries the expert has (COLI_ROLE_PARTS +
+ * its extra parts), or COLI_ENOTFOUND for an unknown key. Plans are fixed at
+ * creation: no lock. */
 int coli_store_expert_parts(ColiExpertStore *store, int layer, int expert, uint64_t *out, int cap);
 
 /* Times a prefetch read paused between chunks for a demand read. */

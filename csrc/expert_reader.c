@@ -95,12 +95,18 @@ void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise) {
         if (files->fds[i] >= 0) (void)posix_fadvise(files->fds[i], 0, 0, POSIX_FADV_RANDOM);
 }
 
+/* files NULL: a check without files (only the range's own sum). */
 static int check_range(const ColiFileSet *files, int file, uint64_t off, uint64_t len,
                        const char *what, const char *part, char *err, size_t err_len) {
+    uint64_t end;
+    if (!files)
+        return __builtin_add_overflow(off, len, &end)
+                   ? coli_fail(err, err_len, COLI_ECONFIG, "%s %s: offset %llu + %llu bytes overflow",
+                               what, part, (unsigned long long)off, (unsigned long long)len)
+                   : COLI_OK;
     if (file < 0 || file >= files->n)
         return coli_fail(err, err_len, COLI_ECONFIG, "%s %s: file index %d out of range (%d files)",
                          what, part, file, files->n);
-    uint64_t end;
     if (__builtin_add_overflow(off, len, &end) || end > files->sizes[file])
         return coli_fail(err, err_len, COLI_ECONFIG,
                          "%s %s: bytes [%llu, %llu) lie past the end of %s (%llu bytes)",

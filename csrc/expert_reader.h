@@ -23,7 +23,7 @@
 #include "coli_sources.h"   /* ColiTensorSource, ColiExpertSource */
 
 #define COLI_IO_ALIGN 4096u       /* O_DIRECT alignment of offsets, lengths and buffers */
-#define COLI_MAX_RUNS (6 + COLI_MAX_PARTS)  /* gate, up, down, their scales, extra parts */
+#define COLI_MAX_RUNS (COLI_ROLE_PARTS + COLI_MAX_PARTS)  /* gate, up, down, their scales, extra parts */
 
 typedef struct {
     int file;                     /* index into the model's files */
@@ -86,8 +86,10 @@ void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise);
 /* Closes and frees; safe on a zeroed or half-opened set. */
 void coli_files_close(ColiFileSet *files);
 
-/* Checks one tensor's source against the files and its format and shape.
- * what names it in messages ("layer 3 expert 5 gate"). */
+/* Checks one tensor's source against its format and shape, and its byte
+ * ranges against the files (files NULL: a check without files, as for a
+ * replay store or a plan). what names it in messages ("layer 3 expert 5
+ * gate"). */
 int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                       const char *what, char *err, size_t err_len);
 

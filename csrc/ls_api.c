@@ -29,6 +29,12 @@ int coli_store_create(const ColiStoreConfig *config, ColiExpertStore **out, char
     return COLI_OK;
 }
 
+int coli_store_plan_slots(const ColiStoreConfig *config, uint32_t *out, int n_out, char *err, size_t n) {
+    if (!config) return coli_fail(err, n, COLI_EINVAL, "plan_slots: config is NULL");
+    if (n_out < 0 || (n_out > 0 && !out)) return coli_fail(err, n, COLI_EINVAL, "plan_slots: bad out array");
+    return ls_plan_slots(config, out, n_out, err, n);
+}
+
 int coli_store_close(ColiExpertStore *store, char *err, size_t n) {
     LsStore *s = ls_store_of(store);
     if (!s) return coli_fail(err, n, COLI_EINVAL, "close: not an expert store of this library");

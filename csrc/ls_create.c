@@ -72,12 +72,28 @@ static int init_gate(LsStore *s, char *err, size_t n) {
     return COLI_OK;
 }
 
+/* Checks source x (against the files, which a replay store and a plan
+ * have not) and plans its reads into e. With replay_expert_bytes the
+ * source's tensors are not read: a read of that many bytes is planned. */
+static int plan_entry(const LsStore *s, const ColiStoreConfig *cfg, const ColiExpertSource *x, LsEntry *e,
+                      char *err, size_t n) {
+    uint64_t bytes = cfg->replay_expert_bytes;
+    if (bytes) {
+        e->plan.runs[0] = (ColiReadRun){.length = bytes, .needed = bytes};
+        e->plan.n_runs = 1;
+        e->plan.footprint = e->plan.payload = bytes;
+        return COLI_OK;
+    }
+    int rc = coli_check_expert(s->files.n ? &s->files : NULL, x, err, n);   /* none opened: 0 files */
+    return rc ? rc : coli_plan_expert(x, s->direct, &e->plan, err, n);
+}
+
 /* Sorts and counts layers, fills entries with validated sources and plans. */
 static int build_layers(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
     int max_id = -1;
     for (int i = 0; i < cfg->n_experts; i++) {
         const ColiExpertSource *x = &cfg->experts[i];
-        if (x->layer < 0 || x->layer > LS_MAX_LAYER_ID || x->expert < 0 || x->expert > LS_MAX_EXPERT_ID)
+        if (x->layer < 0 || x->layer > COLI_MAX_LAYER_ID || x->expert < 0 || x->expert > COLI_MAX_EXPERT_ID)
             return coli_fail(err, n, COLI_ECONFIG, "expert %d of layer %d: index out of range",
                              x->expert, x->layer);
         if (x->layer > max_id) max_id = x->layer;
@@ -125,9 +141,7 @@ static int build_layers(LsStore *s, const ColiStoreConfig *cfg, char *err, size_
         LsEntry *e = &L->entries[x->expert];
         if (L->present[x->expert])
             return coli_fail(err, n, COLI_ECONFIG, "layer %d expert %d is listed twice", x->layer, x->expert);
-        int rc = s->replay ? COLI_OK : coli_check_expert(&s->files, x, err, n);   /* no files */
-        if (rc) return rc;
-        rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
+        int rc = plan_entry(s, cfg, x, e, err, n);
         if (rc) return rc;
         e->src = *x;
         e->src.parts = NULL;          /* the caller's array; the plan has what loads need */
@@ -154,9 +168,9 @@ static unsigned char *alloc_arena(size_t bytes) {
     return arena;
 }
 
-/* Decides every layer's slot count and allocates slots and arenas (none
- * for a replay store). */
-static int build_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
+/* Decides every layer's slot stride (its largest expert's footprint, in
+ * whole pages) and slot count (from the budget, at most its experts). */
+static int count_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
     if (cfg->layer_slots && cfg->n_layer_slots != s->n_layers)
         return coli_fail(err, n, COLI_ECONFIG, "layer_slots gives %d slot counts for %d layers",
                          cfg->n_layer_slots, s->n_layers);
@@ -186,10 +200,19 @@ static int build_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t
                              (unsigned long long)L->slot_bytes * (uint64_t)s->n_layers, s->n_layers);
         if (slots > (uint64_t)present) slots = (uint64_t)present;   /* more slots than experts is waste */
         L->n_slots = (int)slots;
+    }
+    return COLI_OK;
+}
+
+/* Allocates every layer's slots and arena (none for a replay store), starts
+ * its policy and its lock, and puts every slot in its evictable set. */
+static int build_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
+    for (int i = 0; i < s->n_layers; i++) {
+        LsLayer *L = &s->layers[i];
         uint64_t arena_bytes;
-        if (__builtin_mul_overflow(L->slot_bytes, slots, &arena_bytes) || arena_bytes > SIZE_MAX)
-            return coli_fail(err, n, COLI_ENOMEM, "layer %d: %llu slots of %llu bytes overflow",
-                             L->id, (unsigned long long)slots, (unsigned long long)L->slot_bytes);
+        if (__builtin_mul_overflow(L->slot_bytes, (uint64_t)L->n_slots, &arena_bytes) || arena_bytes > SIZE_MAX)
+            return coli_fail(err, n, COLI_ENOMEM, "layer %d: %d slots of %llu bytes overflow",
+                             L->id, L->n_slots, (unsigned long long)L->slot_bytes);
         unsigned char *arena = s->replay ? NULL : alloc_arena((size_t)arena_bytes);
         if (!arena && !s->replay)
             return coli_fail(err, n, COLI_ENOMEM, "cannot allocate %llu bytes for the %d slots of layer %d",
@@ -306,7 +329,9 @@ static int build_preloads(LsStore *s, const ColiStoreConfig *cfg, char *err, siz
     return cfg->n_warm > 0 ? build_warm(s, cfg, err, n) : COLI_OK;
 }
 
-int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
+/* The checks of a config before anything is built, and the store's mode
+ * from it: *out, or NULL with err set. */
+static int new_store(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
     *out = NULL;
     if (cfg->n_experts <= 0 || !cfg->experts)
         return coli_fail(err, n, COLI_ECONFIG, "config lists no experts");
@@ -315,17 +340,40 @@ int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
                          "config sets neither slots_per_layer nor capacity_bytes nor layer_slots");
     if (cfg->policy < 0 || !coli_store_policy_name(cfg->policy))
         return coli_fail(err, n, COLI_ECONFIG, "unknown eviction policy %d", cfg->policy);
+    if (cfg->replay_expert_bytes && !cfg->replay)
+        return coli_fail(err, n, COLI_ECONFIG, "replay_expert_bytes is for a replay store");
     LsStore *s = calloc(1, sizeof(LsStore));
     if (!s) return coli_fail(err, n, COLI_ENOMEM, "out of memory for the store");
     s->replay = cfg->replay != 0;
     s->direct = cfg->direct_io != 0 && !s->replay;
+    *out = s;
+    return COLI_OK;
+}
+
+int ls_plan_slots(const ColiStoreConfig *cfg, uint32_t *out, int n_out, char *err, size_t n) {
+    LsStore *s;
+    int rc = new_store(cfg, &s, err, n);
+    if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);   /* no files: checked without them */
+    if (rc == COLI_OK) rc = count_slots(s, cfg, err, n);
+    for (int i = 0; rc == COLI_OK && out && i < s->n_layers && i < n_out; i++)
+        out[i] = (uint32_t)s->layers[i].n_slots;
+    if (rc == COLI_OK) rc = s->n_layers;
+    if (s) free_store(s);
+    return rc;
+}
+
+int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
+    LsStore *s;
+    int rc = new_store(cfg, &s, err, n);
+    *out = NULL;
+    if (rc) return rc;
     s->wait_timeout_ns = cfg->slot_wait_timeout_ns;
     s->demand_first = cfg->prefetch_never_pauses == 0;
     uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes : LS_DEFAULT_PREFETCH_CHUNK;
     if (chunk < LS_MIN_PREFETCH_CHUNK) chunk = LS_MIN_PREFETCH_CHUNK;
     if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
     s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
-    int rc = init_gate(s, err, n);
+    rc = init_gate(s, err, n);
     if (rc == COLI_OK && !s->replay) {
         rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
 #ifdef COLI_TEST_CONTROL
@@ -336,6 +384,7 @@ int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
                             cfg->read_without_advice == 0);
     }
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
+    if (rc == COLI_OK) rc = count_slots(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_preloads(s, cfg, err, n);
     if (rc == COLI_OK)

@@ -47,8 +47,6 @@
 #include "io_pool.h"
 
 #define LS_DEFAULT_QUEUE_DEPTH 256u
-#define LS_MAX_LAYER_ID 1000000
-#define LS_MAX_EXPERT_ID 1000000
 #define LS_ERRLEN COLI_ERR_LEN
 #define LS_DEFAULT_PREFETCH_CHUNK (1ull << 20)   /* a prefetch read can yield to demand reads this often */
 #define LS_MIN_PREFETCH_CHUNK (64ull << 10)
@@ -261,6 +259,8 @@ static inline LsStore *ls_store_of(ColiExpertStore *store) {
  * success; on failure NULL, nothing left allocated, err says why. Its pins
  * and warm experts are loading (or loaded, with no workers) on return. */
 int ls_create(const ColiStoreConfig *config, LsStore **out, char *err, size_t n);
+/* coli_store_plan_slots, config not NULL. */
+int ls_plan_slots(const ColiStoreConfig *config, uint32_t *out, int n_out, char *err, size_t n);
 /* coli_store_close on a store of ours. */
 int ls_close(LsStore *s, char *err, size_t n);
 void ls_destroy_op(ColiExpertStore *store);

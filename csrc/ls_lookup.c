@@ -441,31 +441,27 @@ static void release_views(LsLayer *L, ColiExpertView *views, int count) {
     memset(views, 0, sizeof(*views) * (size_t)count);
 }
 
-int ls_replay(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
-              int64_t n_tokens, int k, char *err, size_t n) {
-    if (n_layers < 0 || n_tokens < 0 || k < 0 || (n_layers > 0 && !layers) ||
-        (n_tokens > 0 && n_layers > 0 && k > 0 && !experts))
-        return coli_fail(err, n, COLI_EINVAL, "replay: bad arguments (%d layers, %lld tokens, k %d)",
-                         n_layers, (long long)n_tokens, k);
-    if (k > BATCH_ON_STACK)
-        return coli_fail(err, n, COLI_EINVAL, "replay: %d experts per token and layer, at most %d",
-                         k, BATCH_ON_STACK);
-    for (int i = 0; i < n_layers; i++)
-        if (!ls_find_layer(s, layers[i]))
-            return coli_fail(err, n, COLI_ENOTFOUND, "replay: layer %d has no routed experts", layers[i]);
-    int ids[BATCH_ON_STACK];
-    ColiExpertView views[BATCH_ON_STACK];
-    memset(views, 0, sizeof views);
+/* Gathers the distinct experts >= 0 of row (k of them, in order) into ids,
+ * at most cap. Returns how many. */
+static int distinct_experts(const int32_t *row, int k, int *ids, int cap) {
+    int count = 0;
+    for (int j = 0; j < k && count < cap; j++) {
+        bool seen = row[j] < 0;
+        for (int q = 0; q < count && !seen; q++) seen = ids[q] == row[j];
+        if (!seen) ids[count++] = row[j];
+    }
+    return count;
+}
+
+/* Replays the tokens into buffers ids and views of cap entries each. */
+static int replay_rows(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
+                       int64_t n_tokens, int k, int *ids, ColiExpertView *views, int cap,
+                       char *err, size_t n) {
     char local[LS_ERRLEN];
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int i = 0; i < n_layers; i++) {
             const int32_t *row = experts + ((size_t)t * (size_t)n_layers + (size_t)i) * (size_t)k;
-            int count = 0;
-            for (int j = 0; j < k; j++) {
-                bool seen = row[j] < 0;
-                for (int q = 0; q < count && !seen; q++) seen = ids[q] == row[j];
-                if (!seen) ids[count++] = row[j];
-            }
+            int count = distinct_experts(row, k, ids, cap);
             if (count == 0) continue;
             int rc = ls_lookup_many(s, layers[i], ids, count, views, local, sizeof local);
             if (rc != COLI_OK)
@@ -477,9 +473,46 @@ int ls_replay(LsStore *s, const int *layers, int n_layers, const int32_t *expert
     return COLI_OK;
 }
 
+int ls_replay(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
+              int64_t n_tokens, int k, char *err, size_t n) {
+    if (n_layers < 0 || n_tokens < 0 || k < 0 || (n_layers > 0 && !layers) ||
+        (n_tokens > 0 && n_layers > 0 && k > 0 && !experts))
+        return coli_fail(err, n, COLI_EINVAL, "replay: bad arguments (%d layers, %lld tokens, k %d)",
+                         n_layers, (long long)n_tokens, k);
+    int widest = 0;               /* a row has at most this many valid distinct experts */
+    for (int i = 0; i < n_layers; i++) {
+        LsLayer *L = ls_find_layer(s, layers[i]);
+        if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "replay: layer %d has no routed experts", layers[i]);
+        if (L->n_entries > widest) widest = L->n_entries;
+    }
+    /* One more than any layer's experts: a row with more distinct ones than
+     * that holds an unknown expert among its first cap, which fails its
+     * lookup as it would among all of them. */
+    int cap = k < widest + 1 ? k : widest + 1;
+    int ids_here[BATCH_ON_STACK];
+    ColiExpertView views_here[BATCH_ON_STACK];
+    bool small = cap <= BATCH_ON_STACK;
+    int *ids = small ? ids_here : malloc(sizeof(int) * (size_t)cap);
+    ColiExpertView *views = small ? views_here : calloc((size_t)cap, sizeof(ColiExpertView));
+    if (!ids || !views) {
+        if (!small) {
+            free(ids);
+            free(views);
+        }
+        return coli_fail(err, n, COLI_ENOMEM, "replay: out of memory for %d experts per token", cap);
+    }
+    if (small) memset(views_here, 0, sizeof views_here);
+    int rc = replay_rows(s, layers, n_layers, experts, n_tokens, k, ids, views, cap, err, n);
+    if (!small) {
+        free(ids);
+        free(views);
+    }
+    return rc;
+}
+
 /* ---- views ------------------------------------------------------------ */
 
-int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
+int coli_view_layout(const ColiExpertView *view, uint64_t out[COLI_VIEW_LAYOUT_LEN]) {
     if (!view || !view->lease || !out) return COLI_EINVAL;
     const ColiTensorView *t[3] = {&view->gate, &view->up, &view->down};
     uintptr_t lo = UINTPTR_MAX, hi = 0;

@@ -70,12 +70,12 @@ int ls_pinned(LsStore *s, ColiExpertKey *out, int n) {
 int ls_expert_parts(const LsEntry *e, uint64_t *out, int cap) {
     bool fused = (e->src.flags & COLI_SOURCE_FUSED_GATE_UP) != 0;
     const ColiTensorSource *t[3] = {&e->src.gate, &e->src.up, &e->src.down};
-    int total = 6 + e->plan.n_parts;
+    int total = COLI_ROLE_PARTS + e->plan.n_parts;
     for (int i = 0; i < total && i < cap; i++) {
         if (i < 3) out[i] = i == 1 && fused ? UINT64_MAX : e->plan.data_at[i];
-        else if (i < 6) out[i] = t[i - 3]->scale_format == COLI_SCALE_NONE
-                                     ? UINT64_MAX : e->plan.scales_at[i - 3];
-        else out[i] = e->plan.part_at[i - 6];
+        else if (i < COLI_ROLE_PARTS) out[i] = t[i - 3]->scale_format == COLI_SCALE_NONE
+                                                   ? UINT64_MAX : e->plan.scales_at[i - 3];
+        else out[i] = e->plan.part_at[i - COLI_ROLE_PARTS];
     }
     return total;
 }

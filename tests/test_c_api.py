@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import colibri
 from colibri._ffi import ffi, lib
@@ -306,3 +308,59 @@ def test_lookup_resident_takes_hits_only_and_changes_nothing_else(store, small_m
     store.close()
     assert lib.coli_store_lookup_resident(store._handle, 1, 2, view) == lib.COLI_EAGAIN   # closed
     assert is_zeroed(view)
+
+
+def _plan_config(model_factory, **options):
+    from colibri.layouts import scan_model
+    from colibri.store import StoreOptions, _Config
+
+    model = model_factory(n_layers=3, n_experts=9, hidden=40, intermediate=56, dtype="float16")
+    base = dict(slots_per_layer=None, capacity_bytes=None, prefetch_workers=0, direct_io=False,
+                slot_wait_timeout=1.0)
+    return _Config(scan_model(model.path), StoreOptions(**{**base, **options}))
+
+
+@given(per_layer=st.integers(1, 160_000), direct=st.booleans(), slots=st.none() | st.integers(1, 12))
+@settings(max_examples=40, deadline=None)
+def test_plan_slots_are_the_slots_create_gives(model_factory, per_layer, direct, slots):
+    """coli_store_plan_slots gives each layer the slots coli_store_create gives
+    it, for any budget (an expert of 13,440 bytes takes a 16 KiB slot)."""
+    config = _plan_config(model_factory, capacity_bytes=None if slots else 3 * per_layer,
+                          slots_per_layer=slots, direct_io=direct)
+    try:
+        planned = config.layer_slots()
+    except colibri.FormatError as exc:
+        with pytest.raises(colibri.FormatError, match="too small"):
+            config.create()
+        assert "too small" in str(exc)
+        return
+    handle = config.create()   # destroyed when collected
+    assert planned == {layer: int(lib.coli_store_layer_slots(handle, layer)) for layer in planned}
+
+
+def test_plan_slots_opens_no_file(model_factory, tmp_path):
+    config = _plan_config(model_factory, capacity_bytes=3 * 10 * 13_440)
+    gone = ffi.new("char[]", str(tmp_path / "missing.safetensors").encode())
+    files = ffi.new("const char *[]", [gone] * config.cfg.n_files)
+    config.cfg.files = files   # both stay alive as locals
+    assert set(config.layer_slots().values()) == {8}   # ten experts' bytes, eight 16 KiB slots
+    with pytest.raises(colibri.ColibriError, match="missing.safetensors"):
+        config.create()
+
+
+def test_plan_slots_refuses_what_create_refuses():
+    err = ffi.new("char[]", lib.COLI_ERR_LEN)
+    out = ffi.new("uint32_t[]", 4)
+    assert lib.coli_store_plan_slots(ffi.NULL, out, 4, err, lib.COLI_ERR_LEN) == lib.COLI_EINVAL
+    cfg = ffi.new("ColiStoreConfig *")
+    assert lib.coli_store_plan_slots(cfg, out, 4, err, lib.COLI_ERR_LEN) == lib.COLI_ECONFIG
+    assert b"no experts" in ffi.string(err)
+    src = ffi.new("ColiExpertSource[]", 2)
+    src[0].layer, src[0].expert, src[1].layer, src[1].expert = 0, 0, 5, 1
+    cfg.experts, cfg.n_experts, cfg.slots_per_layer = src, 2, 4
+    cfg.replay, cfg.replay_expert_bytes = 1, 5000
+    assert lib.coli_store_plan_slots(cfg, out, 4, err, lib.COLI_ERR_LEN) == 2   # layers 0 and 5
+    assert list(out)[:2] == [1, 1]   # capped at their experts: one each
+    cfg.replay = 0   # replay_expert_bytes is for a replay store only
+    assert lib.coli_store_plan_slots(cfg, out, 4, err, lib.COLI_ERR_LEN) == lib.COLI_ECONFIG
+    assert b"replay_expert_bytes" in ffi.string(err)
