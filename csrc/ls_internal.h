@@ -163,7 +163,7 @@ typedef struct {
     _Atomic uint64_t peak_inflight;
     _Atomic uint64_t prefetch_calls;  /* prefetches in progress (close guard) */
     _Atomic uint64_t generations; /* source of slot generations: unique in the store */
-    _Atomic int closed;           /* set by coli_lru_close: slot memory is gone */
+    _Atomic int closed;           /* set by coli_store_close: slot memory is gone */
     /* Demand first: prefetch reads go in chunks and, before each chunk,
      * wait while a demand read is in progress (at most LS_PAUSE_LIMIT_NS), so
      * a miss gets the disk to itself instead of a share of it. */

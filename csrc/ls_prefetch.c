@@ -130,7 +130,7 @@ int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count)
         if (!e) continue;
         pthread_mutex_lock(&L->mu);
         LsSlot *v = L->slot_of[keys[i].expert] ? NULL : ls_victim(L);
-        /* An unhit prefetch at the LRU end means only unhit prefetches are
+        /* An unhit prefetch as the victim means only unhit prefetches are
          * left to evict: taking one would let a batch undo itself. */
         if (v && v->prefetched) v = NULL;
         /* Post with the generation repurpose is about to give the slot; a
