@@ -282,21 +282,18 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
     return COLI_OK;
 }
 
-/* The errno a test build's injected fault gives this read, or 0. A
- * production build has no fault to ask: 0, and the branch folds away. */
-static int injected_fault(const ColiFileSet *files) {
 #ifdef COLI_TEST_CONTROL
+/* The errno a test build's injected fault gives this read, or 0. */
+static int injected_fault(const ColiFileSet *files) {
     ColiReadFault *fault = files->fault;
     uint64_t cur = fault ? atomic_load(&fault->countdown) : 0;
     while (cur != 0) {
         if (atomic_compare_exchange_weak(&fault->countdown, &cur, cur - 1))
             return cur == 1 ? atomic_load(&fault->errno_value) : 0;
     }
-#else
-    (void)files;
-#endif
     return 0;
 }
+#endif
 
 /* Tells the kernel that bytes [from, from + len) of run rr (clipped to the
  * run) are wanted now: it starts their reads without waiting for them. */
@@ -353,7 +350,11 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
             if (chunk && want > chunk) want = chunk;
             unsigned char *dst = slot + rr->slot_offset + done;
             off_t at = (off_t)(rr->file_offset + done);
+#ifdef COLI_TEST_CONTROL
             int fault = injected_fault(files);
+#else
+            const int fault = 0;  /* the product has no fault to inject: the branch folds away */
+#endif
             if (fault) {
                 errno = fault;
                 got = -1;
