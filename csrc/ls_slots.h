@@ -7,7 +7,7 @@
  * slot's state, expert, generation, leases or membership of the evictable
  * set; every other file calls them.
  *
- *                 repurpose (a prefetch)
+ *                 queue_prefetch (a prefetch)
  *         +--------------------------------------> QUEUED
  *         |    +------------ empty ------------------+  |
  *         |    v                                        |  begin_read (a worker), or
@@ -20,28 +20,28 @@
  *      An unleased RESIDENT slot is taken by claim        RESIDENT   lease, unlease,
  *      and repurpose like an EMPTY one (an eviction).                demote
  *
- *   transition   from                              to
- *   repurpose    EMPTY, or RESIDENT unleased       QUEUED (prefetch) or READING
- *                (an eviction, counted)            (a demand miss), new generation
- *   queue_prefetch  as repurpose                   QUEUED, for a posted prefetch job
- *   claim        its own QUEUED prefetch           READING (taken over), else as
- *                                                  repurpose (victim or queued slot)
- *   begin_read   QUEUED                            READING (a worker starts it)
- *   finish_load  READING                           RESIDENT with n leases, or EMPTY
- *   empty        QUEUED                            EMPTY (cancelled), new generation
- *   lease        RESIDENT                          RESIDENT, one lease more (a hit)
- *   unlease      RESIDENT leased                   RESIDENT, one lease fewer
- *   demote       RESIDENT unleased, unhit prefetch RESIDENT, evicted first
- *   preload      EMPTY (at create)                 QUEUED: a pin (never evictable) or a warm expert
+ *   transition      from                              to
+ *   repurpose       EMPTY, or RESIDENT unleased       QUEUED (prefetch) or READING
+ *                   (an eviction, counted)            (a demand miss), new generation
+ *   queue_prefetch  as repurpose                      QUEUED, for a posted prefetch job
+ *   claim           its own QUEUED prefetch           READING (taken over), else as
+ *                                                     repurpose (victim or queued slot)
+ *   begin_read      QUEUED                            READING (a worker starts it)
+ *   finish_load     READING                           RESIDENT with n leases, or EMPTY
+ *   empty           QUEUED                            EMPTY (cancelled), new generation
+ *   lease           RESIDENT                          RESIDENT, one lease more (a hit)
+ *   unlease         RESIDENT leased                   RESIDENT, one lease fewer
+ *   demote          RESIDENT unleased, unhit prefetch RESIDENT, evicted first
+ *   preload         EMPTY (at create)                 QUEUED: a pin (never evictable) or a warm expert
  *
  * A pinned slot goes QUEUED -> READING -> RESIDENT like a prefetch and then
  * stays: lease and unlease never put it in the evictable set. A failed
  * load unpins it (finish_load: EMPTY, an ordinary slot).
  *
  * A slot is in its layer's evictable set iff it is EMPTY, or RESIDENT with
- * zero leases and not pinned. The set is the policy's (ls_policy.h, the seam): "leased"
- * means "not in the set", so a hit leaves it in O(1) and the victim is the
- * policy's choice (for LRU the tail of a list, also O(1)).
+ * zero leases and not pinned. The set is the policy's (ls_policy.h, the
+ * seam): "leased" means "not in the set", so a hit leaves it in O(1) and the
+ * victim is the policy's choice (for LRU the tail of a list, also O(1)).
  *
  *   one slot:   +-------------------------------------------------+
  *               | expert's runs, as read: gate | up | down (+scales)|
