@@ -45,7 +45,6 @@ the architectures in :data:`SUPPORTED_MODEL_TYPES`. See docs/hf.md.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import re
@@ -55,6 +54,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from colibri.checkpoint.config import CONFIG_NAME, compressed_tensors_group, read_json
 from colibri.errors import ColibriError, FormatError
 from colibri.fp8 import dequantize
 from colibri.layouts import FP8_BLOCK, PLAIN
@@ -147,40 +147,23 @@ def _check_mxfp4(path: str, cfg: dict[str, Any]) -> None:
             f"{path}: quantization 'mxfp4' is only supported for 'gpt_oss', not {cfg.get('model_type')!r}")
 
 
-def _ct_experts_group(groups: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The config group that quantizes the routed experts: the one whose
-    ``re:`` targets name the experts, else the first with a class-name
-    target (``Linear``), else the first (the rule transformers applies)."""
-    named = list(groups.items())
-    for name, group in named:
-        targets = group.get("targets") or []
-        if any(isinstance(t, str) and t.startswith("re:") and "experts" in t for t in targets):
-            return name, group
-    for name, group in named:
-        targets = group.get("targets") or []
-        if any(isinstance(t, str) and not t.startswith("re:") for t in targets):
-            return name, group
-    return named[0]
-
-
 #: The compressed-tensors weight strategies whose scales colibri reads (one per group of columns).
 CT_STRATEGIES = ("group", "channel")
 
 
 def _check_compressed_tensors(path: str, cfg: dict[str, Any]) -> None:
-    quant = cfg["quantization_config"]
     where = f"{path}: compressed-tensors quantization_config"
-    groups = quant.get("config_groups")
-    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+    found = compressed_tensors_group(cfg["quantization_config"])
+    if found is None:
         raise UnsupportedModelError(f"{where} has no config_groups")
-    name, group = _ct_experts_group(groups)
-    where = f"{where} group {name!r} (the routed experts' group)"
-    fmt = group.get("format") or quant.get("format")
+    where = f"{where} group {found.name!r} (the routed experts' group)"
+    fmt = found.format
     if fmt != "pack-quantized":
         raise UnsupportedModelError(
             f"{where}: format {fmt!r} is not supported; colibri.hf serves routed experts in "
             "'pack-quantized' int4")
-    weights = group.get("weights")
+    group = found.group
+    weights = found.weights
     if not isinstance(weights, dict):
         raise UnsupportedModelError(f"{where} quantizes no weights")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")
@@ -630,14 +613,10 @@ def _drop_routed_experts(model: Any) -> None:
 def _read_config(path: str) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise UnsupportedModelError(f"{path}: not a model directory")
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise UnsupportedModelError(f"{path}: no config.json, not a transformers checkpoint") from None
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"{cfg_path}: unreadable ({exc})") from None
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(cfg_path):
+        raise UnsupportedModelError(f"{path}: no config.json, not a transformers checkpoint")
+    cfg = read_json(cfg_path, UnsupportedModelError)
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"{cfg_path}: not a JSON object")
     model_type = cfg.get("model_type")

@@ -33,8 +33,6 @@ has the table.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -44,6 +42,7 @@ from . import _dtypes
 from .errors import FormatError, UnknownExpertError
 import numpy as np
 
+from .checkpoint.config import ModuleQuant, compressed_tensors_weights, model_type, module_quant_config
 from .safetensors_reader import ModelSource, TensorInfo, read_model_tensors
 
 __all__ = [
@@ -554,19 +553,6 @@ STACKED_LAYOUTS: Mapping[str, StackedLayout] = MappingProxyType(
 AnyLayout = Union[Layout, StackedLayout]
 
 
-def _model_type(files: tuple[str, ...]) -> str | None:
-    """``model_type`` of the config.json beside the first file, if any."""
-    if not files:
-        return None
-    try:
-        with open(os.path.join(os.path.dirname(files[0]), "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
-    found = config.get("model_type") if isinstance(config, dict) else None
-    return found if isinstance(found, str) else None
-
-
 def detect_layout(names: Mapping[str, object] | list[str],
                   files: tuple[str, ...] = ()) -> AnyLayout:
     """The single built-in layout that matches some tensor name.
@@ -590,7 +576,7 @@ def detect_layout(names: Mapping[str, object] | list[str],
     if GPT_OSS in stacked:
         marked = any((hit := GPT_OSS.match(name)) is not None and hit[2] in ("_bias", "_blocks")
                      for name in names)
-        if marked or _model_type(files) == "gpt_oss":
+        if marked or model_type(files) == "gpt_oss":
             stacked = [layout for layout in stacked if layout is not STACKED]
         else:
             stacked = [layout for layout in stacked if layout is not GPT_OSS]
@@ -750,21 +736,6 @@ def _read_small(info: TensorInfo) -> np.ndarray:
     return _read_int_tensor(info).reshape(-1)
 
 
-def _quant_config(files: tuple[str, ...]) -> dict[str, object]:
-    """The weights entry of the first config group of a compressed-tensors
-    config.json beside the files ({} when there is none)."""
-    if not files:
-        return {}
-    try:
-        with open(os.path.join(os.path.dirname(files[0]), "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-        groups = config["quantization_config"]["config_groups"]
-        weights = next(iter(groups.values()))["weights"]
-    except (OSError, ValueError, KeyError, TypeError, StopIteration, AttributeError):
-        return {}
-    return weights if isinstance(weights, dict) else {}
-
-
 def _check_int4_columns_and_bits(where: str, name: str, cols: int, config: Mapping[str, Any]) -> None:
     """A pack-quantized int4 weight of ``cols`` columns, as config.json describes it."""
     if cols % 8:
@@ -885,7 +856,7 @@ def _stacked_experts(files: tuple[str, ...], tensors: Mapping[str, TensorInfo],
                     f"tensor {name!r} ({info.path}) accompanies expert tensor {name[:cut]!r}, "
                     f"but layout {chosen.name!r} only knows the suffixes "
                     + ", ".join(StackedLayout.SUFFIXES))
-    config = _quant_config(files) if any(".weight_packed" in parts for roles in found.values()
+    config = compressed_tensors_weights(files) if any(".weight_packed" in parts for roles in found.values()
                                          for parts in roles.values()) else {}
     result: dict[int, Mapping[int, ExpertTensors]] = {}
     for layer in sorted(found):
@@ -1138,8 +1109,8 @@ def experts_from_tensors(files: tuple[str, ...] | list[str],
         weights = {info.name for experts in found.values()
                    for roles in experts.values() for info in roles.values()}
         scales = _companions(tensors, weights, chosen)
-    config = _quant_config(files) if int4 else {}
-    module_config = _module_quant_config(files, modules) if modules else None
+    config = compressed_tensors_weights(files) if int4 else {}
+    module_config = module_quant_config(files, next(iter(modules.values()))["qweight"].name) if modules else None
 
     result: dict[int, Mapping[int, ExpertTensors]] = {}
     for layer in sorted(found):
@@ -1244,90 +1215,7 @@ def _quant_modules(chosen: Layout, tensors: Mapping[str, TensorInfo]
     return modules
 
 
-@dataclass(frozen=True)
-class _ModuleQuant:
-    """What a GPTQ/AWQ checkpoint's config says, checked."""
-
-    scheme: str | None       # GPTQ, GPTQ_V2, AWQ; None: read from the shapes (no config)
-    group_size: int | None   # rows per scale; 0: one group over the input; None: from the scales
-    source: str              # the file it came from, for messages
-
-
-def _read_json(path: str) -> object:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _module_quant_config(files: tuple[str, ...], modules: Mapping[str, Mapping[str, TensorInfo]]
-                         ) -> _ModuleQuant:
-    """The GPTQ/AWQ settings beside the files: config.json's
-    ``quantization_config``, else AutoGPTQ's ``quantize_config.json``, else
-    AutoAWQ's ``quant_config.json``. Refuses what colibri cannot read
-    exactly: other bit widths, packings and formats."""
-    first = next(iter(modules.values()))["qweight"]
-    folder = os.path.dirname(files[0]) if files else ""
-    cfg: dict[str, object] = {}
-    source, default = "", ""
-    config = _read_json(os.path.join(folder, "config.json"))
-    found = config.get("quantization_config") if isinstance(config, dict) else None
-    if isinstance(found, dict):
-        cfg, source = found, "config.json"
-    else:
-        for name, implied in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
-            found = _read_json(os.path.join(folder, name))
-            if isinstance(found, dict):
-                cfg, source, default = found, name, implied
-                break
-    if not source:
-        return _ModuleQuant(None, None, "no quantization config")
-    where = f"{first.name!r} ({source})"
-    found_method = cfg.get("quant_method", default)
-    method = found_method.lower() if isinstance(found_method, str) else found_method
-    if method not in ("gptq", "awq"):
-        raise FormatError(f"{where}: quant_method {method!r}, but the experts are GPTQ/AWQ "
-                          "modules (qweight, qzeros, scales)")
-    bits = cfg.get("bits", cfg.get("w_bit", 4))
-    if bits != 4:
-        raise FormatError(f"{where}: bits {bits!r}; only 4-bit GPTQ and AWQ are supported")
-    group = cfg.get("group_size", cfg.get("q_group_size"))
-    if group is not None and (not isinstance(group, int) or isinstance(group, bool)
-                              or not (group == -1 or group > 0)):
-        raise FormatError(f"{where}: group_size {group!r} is neither -1 nor a positive size")
-    group_size = None if group is None else max(group, 0)
-    # The packing: GPTQModel reads checkpoint_format, format and version as one field.
-    given = {key: cfg[key] for key in ("checkpoint_format", "format", "version")
-             if cfg.get(key) is not None}
-    packings = {v.lower() if isinstance(v, str) else v for v in given.values()}
-    if len(packings) > 1:
-        raise FormatError(f"{where}: " + ", ".join(f"{k} {v!r}" for k, v in given.items())
-                          + " disagree about the packing")
-    fmt = packings.pop() if packings else ("gptq" if method == "gptq" else "gemm")
-    scheme: str
-    if method == "gptq":
-        if fmt not in ("gptq", "gptq_v2") or cfg.get("is_marlin_format"):
-            raise FormatError(f"{where}: GPTQ checkpoint format "
-                              f"{'marlin' if cfg.get('is_marlin_format') else fmt!r}; only the "
-                              "'gptq' and 'gptq_v2' packings are supported")
-        pack = cfg.get("pack_dtype")
-        if pack not in (None, "int32", "torch.int32"):
-            raise FormatError(f"{where}: pack_dtype {pack!r}; only int32 words are supported")
-        if cfg.get("dynamic"):
-            raise FormatError(f"{where}: per-module overrides ('dynamic') are not supported")
-        scheme = GPTQ_V2 if fmt == "gptq_v2" else GPTQ
-    else:
-        if fmt != "gemm":
-            raise FormatError(f"{where}: AWQ version {fmt!r}; only the GEMM packing is "
-                              "supported")
-        if cfg.get("zero_point", True) is not True:
-            raise FormatError(f"{where}: AWQ without zero points is not supported")
-        scheme = AWQ
-    return _ModuleQuant(scheme, group_size, source)
-
-
-def _quant_module_role(where: str, parts: Mapping[str, TensorInfo], quant: _ModuleQuant
+def _quant_module_role(where: str, parts: Mapping[str, TensorInfo], quant: ModuleQuant
                        ) -> tuple[str, tuple[int, int], int]:
     """Validates one GPTQ/AWQ module; returns its scheme, (in, out) and scale rows."""
     qweight = parts["qweight"]
@@ -1381,7 +1269,7 @@ def _quant_module_role(where: str, parts: Mapping[str, TensorInfo], quant: _Modu
 
 
 def _quant_module_expert(where: str, roles: dict[str, TensorInfo],
-                         modules: Mapping[str, Mapping[str, TensorInfo]], quant: _ModuleQuant
+                         modules: Mapping[str, Mapping[str, TensorInfo]], quant: ModuleQuant
                          ) -> ExpertTensors:
     parts = {r: modules[roles[r].name[: -len("qweight")]] for r in ROLES}
     checked = {r: _quant_module_role(f"{where} {r}", parts[r], quant) for r in ROLES}
