@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Union
 
-from . import _dtypes
+from .checkpoint import dtypes as _dtypes
 from .errors import FormatError, UnknownExpertError
 import numpy as np
 
 from .checkpoint.config import ModuleQuant, compressed_tensors_weights, model_type, module_quant_config
-from .safetensors_reader import ModelSource, TensorInfo, read_model_tensors
+from .checkpoint.safetensors import ModelSource, TensorInfo, read_model_tensors
 
 __all__ = [
     "ROLES",
@@ -1309,7 +1309,7 @@ def _quant_module_expert(where: str, roles: dict[str, TensorInfo],
 def scan_model(source: ModelSource, layout: Union[str, AnyLayout] = "auto") -> ModelExperts:
     """Read a model's headers and return its validated routed experts.
 
-    ``source`` is anything :func:`colibri.safetensors_reader.resolve_files`
+    ``source`` is anything :func:`colibri.checkpoint.safetensors.resolve_files`
     accepts; ``layout`` is ``"auto"``, a built-in name (``"mixtral"``,
     ``"mlp_experts"``, ``"gpt_oss"``, ``"llama4"``, ``"stacked"``), a
     :class:`Layout` or a :class:`StackedLayout`. Raises FormatError naming the

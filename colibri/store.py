@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
-from colibri import _dtypes
+from colibri.checkpoint import dtypes as _dtypes
 from colibri._ffi import LeaseBase, Leaser, Tenancies, ffi, lib
 from colibri._tenancy import Parts, TenancyBuilder, defer
 from colibri.errors import (
@@ -31,7 +31,7 @@ from colibri.errors import (
     error_for,
 )
 from colibri.layouts import ROLES, AnyLayout, ExpertTensors, ModelExperts, scan_model
-from colibri.safetensors_reader import ModelSource
+from colibri.checkpoint.safetensors import ModelSource
 from colibri.stats import StoreStats
 from colibri import usage as _usage
 

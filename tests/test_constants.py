@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 
 import colibri
-from colibri import _dtypes, errors, store
+from colibri import errors, store
+from colibri.checkpoint import dtypes as _dtypes
 from colibri._ffi import ffi, lib
 from colibri.layouts import ROLES
 

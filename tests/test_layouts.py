@@ -26,7 +26,7 @@ from colibri.layouts import (
     scale_block,
     scan_model,
 )
-from colibri.safetensors_reader import INDEX_NAME, TensorInfo
+from colibri.checkpoint.safetensors import INDEX_NAME, TensorInfo
 
 # ---------------------------------------------------------------- model writers
 

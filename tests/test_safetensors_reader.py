@@ -1,4 +1,4 @@
-"""Tests of colibri.safetensors_reader: header parsing, validation, file resolution."""
+"""Tests of colibri.checkpoint.safetensors: header parsing, validation, file resolution."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colibri import _dtypes
+from colibri.checkpoint import dtypes as _dtypes
 from colibri.errors import FormatError
-from colibri.safetensors_reader import (
+from colibri.checkpoint.safetensors import (
     INDEX_NAME,
     MAX_HEADER_BYTES,
     TensorInfo,
@@ -176,7 +176,7 @@ def test_gaps_and_padding_are_fine(tmp_path: Path) -> None:
 
 
 def test_reads_only_the_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import colibri.safetensors_reader as reader
+    import colibri.checkpoint.safetensors as reader
 
     big = np.zeros((512, 1024), dtype=np.float32)  # 2 MiB of data
     path = tmp_path / "m.safetensors"
