@@ -20,7 +20,7 @@ from typing import Any
 
 from colibri.checkpoint.config import CONFIG_NAME, read_json
 from colibri.errors import FormatError
-from colibri.layouts import ModelExperts, _ranges
+from colibri.checkpoint.experts import ModelExperts, format_ranges
 
 __all__ = ["describe", "render", "read_top_k", "TOP_K_KEYS"]
 
@@ -111,7 +111,7 @@ def describe(model: ModelExperts, source: Any = None, *, slots: int | None = Non
     counts = [model.num_experts(layer) for layer in model.layers]
     summary = {
         "moe_layers": len(layers),
-        "layer_ranges": _ranges(model.layers),
+        "layer_ranges": format_ranges(model.layers),
         "first_layer": model.layers[0] if layers else None,
         "last_layer": model.layers[-1] if layers else None,
         "experts_per_layer": {"min": min(counts, default=0), "max": max(counts, default=0)},

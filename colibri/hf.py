@@ -56,8 +56,6 @@ import numpy as np
 
 from colibri.checkpoint.config import CONFIG_NAME, compressed_tensors_group, read_json
 from colibri.errors import ColibriError, FormatError
-from colibri.fp8 import dequantize
-from colibri.layouts import FP8_BLOCK, PLAIN
 from colibri.pilot import Pilot
 from colibri.store import Store, open_store
 from colibri.torch_interop import as_torch, dequantize_torch
@@ -378,11 +376,10 @@ def _weights(ex: Any, dtype: Any) -> _Weights:
     """gate, up, down and their biases (None where the checkpoint has none)
     of a leased expert as torch tensors of ``dtype``, in the Mixtral
     orientation: the leased bytes themselves where the file has them so,
-    otherwise dequantized (fused or (in, out) layouts, MXFP4, int4, biases)
-    into fresh tensors that live only for this expert."""
+    otherwise dequantized (fused or (in, out) layouts, FP8, MXFP4, int4,
+    GPTQ, AWQ, biases) into fresh tensors that live only for this expert."""
     info = ex.tensors
-    if (info.fused or info.transposed or info.scheme not in (PLAIN, FP8_BLOCK)
-            or any(name is not None and name.endswith("_bias") for name in ex._part_names[ex.layer])):
+    if not info.format.zero_copy or info.fused or info.transposed or info.biased:
         w = dequantize_torch(ex)
         gate, up, down = (w[role].to(dtype) for role in ("gate", "up", "down"))
         biases = (w.get(f"{role}_bias") for role in ("gate", "up", "down"))
@@ -429,14 +426,10 @@ def _default_apply_gate() -> Any:
 
 
 def _weight(ex: Any, role: str, dtype: Any) -> Any:
-    """A leased role as a torch tensor of ``dtype``: shared when the file
-    already has that dtype, otherwise converted (FP8 dequantized by its
-    block scales) into a fresh tensor that lives only for this expert."""
-    weight = getattr(ex, role)
-    scale = getattr(ex, f"{role}_scale", None)
-    if scale is not None:
-        return as_torch(dequantize(weight, scale, block=None)).to(dtype)
-    t = as_torch(weight)
+    """A leased float role as a torch tensor of ``dtype``: shared when the
+    file already has that dtype, otherwise converted into a fresh tensor
+    that lives only for this expert."""
+    t = as_torch(getattr(ex, role))
     return t if t.dtype == dtype else t.to(dtype)
 
 

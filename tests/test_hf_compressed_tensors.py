@@ -41,7 +41,7 @@ from transformers.integrations import compressed_tensors as hf_ct  # noqa: E402
 
 import colibri  # noqa: E402
 import colibri.hf as hf  # noqa: E402
-from colibri.layouts import INT4  # noqa: E402
+from colibri.formats import INT4  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from colibri.errors import FormatError
+from colibri.formats.qmodule import AWQ, GPTQ, GPTQ_V2
+from colibri.formats.record import Declared
 
 __all__ = [
     "CONFIG_NAME",
@@ -35,8 +37,7 @@ __all__ = [
     "experts_group",
     "compressed_tensors_group",
     "compressed_tensors_weights",
-    "ModuleQuant",
-    "module_quant_config",
+        "module_quant_config",
 ]
 
 CONFIG_NAME = "config.json"
@@ -129,15 +130,6 @@ def compressed_tensors_weights(files: Sequence[str]) -> dict[str, Any]:
     return weights if isinstance(weights, dict) else {}
 
 
-@dataclass(frozen=True)
-class ModuleQuant:
-    """What a GPTQ/AWQ checkpoint's settings say, checked."""
-
-    scheme: str | None       # "gptq", "gptq_v2", "awq"; None: read from the shapes (no settings)
-    group_size: int | None   # rows per scale; 0: one group over the input; None: from the scales
-    source: str              # the file it came from, for messages
-
-
 def _module_settings(folder: str | None) -> tuple[dict[str, Any], str, str]:
     """(settings, file name, implied quant_method) of a GPTQ/AWQ checkpoint:
     config.json's ``quantization_config``, else ``quantize_config.json``
@@ -173,7 +165,7 @@ def _packing(where: str, method: str, cfg: Mapping[str, Any]) -> Any:
 
 
 def _gptq_scheme(where: str, fmt: Any, cfg: Mapping[str, Any]) -> str:
-    if fmt not in ("gptq", "gptq_v2") or cfg.get("is_marlin_format"):
+    if fmt not in (GPTQ, GPTQ_V2) or cfg.get("is_marlin_format"):
         raise FormatError(f"{where}: GPTQ checkpoint format "
                           f"{'marlin' if cfg.get('is_marlin_format') else fmt!r}; only the "
                           "'gptq' and 'gptq_v2' packings are supported")
@@ -190,16 +182,18 @@ def _awq_scheme(where: str, fmt: Any, cfg: Mapping[str, Any]) -> str:
         raise FormatError(f"{where}: AWQ version {fmt!r}; only the GEMM packing is supported")
     if cfg.get("zero_point", True) is not True:
         raise FormatError(f"{where}: AWQ without zero points is not supported")
-    return "awq"
+    return AWQ
 
 
-def module_quant_config(files: Sequence[str], first_name: str) -> ModuleQuant:
+def module_quant_config(files: Sequence[str], first_name: str) -> Declared:
     """The GPTQ/AWQ settings beside the files (``first_name``, a qweight, is
-    named in errors). Refuses what colibri cannot read exactly: other bit
+    named in errors): the scheme (``"gptq"``, ``"gptq_v2"``, ``"awq"``; None
+    without settings: the shapes tell), the group size (0: one group over the
+    input; None: from the scales) and the file they came from. Refuses what colibri cannot read exactly: other bit
     widths, packings and formats."""
     cfg, source, default = _module_settings(folder_of(files))
     if not source:
-        return ModuleQuant(None, None, "no quantization config")
+        return Declared(None, 4, None, "no quantization config")
     where = f"{first_name!r} ({source})"
     found_method = cfg.get("quant_method", default)
     method = found_method.lower() if isinstance(found_method, str) else found_method
@@ -212,4 +206,4 @@ def module_quant_config(files: Sequence[str], first_name: str) -> ModuleQuant:
     group_size = _group_size(where, cfg)
     fmt = _packing(where, method, cfg)
     scheme = _gptq_scheme(where, fmt, cfg) if method == "gptq" else _awq_scheme(where, fmt, cfg)
-    return ModuleQuant(scheme, group_size, source)
+    return Declared(scheme, 4, group_size, source)

@@ -23,6 +23,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
+import numpy as np
+
 from colibri.checkpoint import dtypes
 from colibri.errors import FormatError
 
@@ -34,6 +36,7 @@ __all__ = [
     "read_header",
     "resolve_files",
     "read_model_tensors",
+    "read_ints",
 ]
 
 # Same order of magnitude as safetensors' own limit; real headers are < 10 MB.
@@ -466,3 +469,22 @@ def read_model_tensors(source: ModelSource) -> tuple[list[str], dict[str, Tensor
                     f"but it is in {found.path}"
                 )
     return files, merged
+
+
+def read_ints(info: TensorInfo, max_bytes: int, expected: str) -> np.ndarray:
+    """The values of a small I32 or I64 tensor (a ``weight_shape``) in its
+    shape, read from its file. FormatError naming the tensor, saying it must
+    be ``expected``, when it has another dtype or more than ``max_bytes``."""
+    dt = dtypes.lookup(info.dtype)
+    if info.dtype not in ("I32", "I64") or info.nbytes > max_bytes or dt is None or dt.numpy is None:
+        raise FormatError(f"tensor {info.name!r} ({info.path}) must be {expected}, not "
+                          f"{info.dtype}{list(info.shape)}")
+    try:
+        with open(info.path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+    except OSError as exc:
+        raise FormatError(f"cannot read {info.name!r} from {info.path}: {exc}") from None
+    if len(raw) != info.nbytes:
+        raise FormatError(f"{info.path} ends inside tensor {info.name!r}")
+    return np.frombuffer(raw, dtype=dt.numpy.newbyteorder("<")).reshape(info.shape)
