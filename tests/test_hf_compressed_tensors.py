@@ -215,7 +215,7 @@ def nothing_loaded(monkeypatch: pytest.MonkeyPatch):
         raise AssertionError("a load started")
 
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(hf, "open_store", refuse)
+    monkeypatch.setattr(hf.pretrained, "open_store", refuse)
 
 
 def _edit_config(src: str, dst: Path, edit: Any) -> Path:
