@@ -149,6 +149,7 @@ def _to_fp8(path: str, block: int) -> None:
     if block < 1:
         raise ValueError(f"fp8_block must be >= 1, got {block}")
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    renamed: dict[str, list[str]] = {}
     for name in files:
         tensors = load_file(os.path.join(path, name))
         out: dict[str, Any] = {}
@@ -165,16 +166,9 @@ def _to_fp8(path: str, block: int) -> None:
             quantized = (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols]
             out[key] = quantized.contiguous().to(torch.float8_e4m3fn)
             out[key + "_scale_inv"] = scale.float().contiguous()
+            renamed[key] = [key, key + "_scale_inv"]
         save_file(out, os.path.join(path, name), metadata={"format": "pt"})
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-        for key, file in list(data["weight_map"].items()):
-            if _PROJECTION.search(key):
-                data["weight_map"][key + "_scale_inv"] = file
-        with open(index, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+    _rename_in_index(path, renamed)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
@@ -188,6 +182,21 @@ _ROUTED = re.compile(r"\.experts\.[0-9]+\.[a-z_0-9]+\.weight$")
 _ROUTED_TARGET = r"re:.*\.experts\.[0-9]+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"
 _ATTENTION = re.compile(r"\.self_attn\.[a-z_]+_proj\.weight$")
 _ATTENTION_TARGET = r"re:.*\.self_attn\.[a-z_]+_proj$"
+
+
+def _rename_in_index(path: str, renamed: dict[str, list[str]]) -> None:
+    """Replaces each key of ``renamed`` in the shard index (if any) by its new keys, in the same file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return
+    with open(index, encoding="utf-8") as f:
+        data = json.load(f)
+    for key, new_keys in renamed.items():
+        file = data["weight_map"].pop(key)
+        for new_key in new_keys:
+            data["weight_map"][new_key] = file
+    with open(index, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
 
 
 def _to_int4(path: str, group: int, scope: str, symmetric: bool) -> None:
@@ -254,16 +263,7 @@ def _to_int4(path: str, group: int, scope: str, symmetric: bool) -> None:
                 out[base + suffix] = tensor.contiguous()
             renamed[key] = [base + suffix for suffix in packed]
         save_file(out, os.path.join(path, name), metadata={"format": "pt"})
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-        for key, new_keys in renamed.items():
-            file = data["weight_map"].pop(key)
-            for new_key in new_keys:
-                data["weight_map"][new_key] = file
-        with open(index, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+    _rename_in_index(path, renamed)
     config = QuantizationConfig(config_groups=groups, format="pack-quantized",
                                 quantization_status="compressed", ignore=ignore)
     ModelCompressor(quantization_config=config).update_config(path)
