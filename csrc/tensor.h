@@ -29,7 +29,7 @@
  *                          pack-quantized words, little-endian); F32, BF16 or
  *                          F16 scales, one per 1 x group block. Zero points,
  *                          when the checkpoint has them, are an extra part of
- *                          the expert (see lru_store.h).
+ *                          the expert (see coli_sources.h).
  *   INT4_GPTQ              GPTQ: the matrix is stored (in, out); unsigned
  *                          4-bit values, eight per little-endian int32 down
  *                          each column (input row 8k + j in bits 4j..4j+3),
