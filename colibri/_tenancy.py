@@ -82,7 +82,7 @@ class TenancyBuilder:
     __slots__ = ("_parts", "_locate")
 
     def __init__(self, parts: dict[int, Parts], locate: Locate | None = None) -> None:
-        # per layer: (dtype, shape) of each array, in coli_lru_expert_parts's order
+        # per layer: (dtype, shape) of each array, in coli_store_expert_parts's order
         self._parts = parts
         # (layer, expert) -> slot offset of each part; needed for extra parts,
         # which coli_view_layout does not cover

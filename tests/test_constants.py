@@ -21,7 +21,7 @@ def _names(prefix: str) -> dict[str, int]:
     return {n: getattr(lib, n) for n in dir(lib) if n.startswith(prefix)}
 
 
-# What each C error code becomes. A code added to csrc/lru_store.h without a
+# What each C error code becomes. A code added to csrc/coli_errors.h without a
 # decision here fails test_every_error_code_has_a_class.
 EXPECTED_CLASS = {
     "COLI_EINVAL": colibri.ColibriError,
@@ -91,7 +91,7 @@ def test_limits_are_the_librarys() -> None:
     assert store._INT_MAX == 2 ** (8 * ffi.sizeof("int") - 1) - 1
     assert store._U64_MAX == 2 ** (8 * ffi.sizeof("uint64_t")) - 1
     for field in ("prefetch_chunk_bytes", "read_chunk_bytes"):
-        assert dict(ffi.typeof("ColiLruConfig").fields)[field].type.cname == "uint64_t", field
+        assert dict(ffi.typeof("ColiStoreConfig").fields)[field].type.cname == "uint64_t", field
     key = ffi.typeof("ColiExpertKey")
     assert [(n, f.type.cname) for n, f in key.fields] == [("layer", "int"), ("expert", "int")]
 

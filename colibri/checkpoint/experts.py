@@ -35,7 +35,7 @@ COLI_SCALE_NONE: int = lib.COLI_SCALE_NONE
 
 
 class TensorSource(NamedTuple):
-    """One role's ``ColiTensorSource`` (csrc/lru_store.h), field for field:
+    """One role's ``ColiTensorSource`` (csrc/coli_sources.h), field for field:
     where its data and scales are, the C format values and the block."""
 
     file: int
