@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
-PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "lru_store.h")
+PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "lru_store.h", "ffn.h")
 ERRORS_HEADER = "coli_errors.h"        # private: only its enum of error codes goes to cdef
 TEST_HOOKS_HEADER = "lru_test_hooks.h"  # compiled in, for the tests only
 SOURCES = ("lru_store.c", "ls_slots.c", "ls_policy.c", "ls_lookup.c", "ls_prefetch.c",
-           "expert_reader.c", "io_pool.c")
+           "expert_reader.c", "io_pool.c", "ffn.c", "ffn_scalar.c", "ffn_x86.c", "ffn_neon.c",
+           "compute_pool.c")
 
 
 def _declarations(header_text: str) -> str:
@@ -87,7 +88,7 @@ ffibuilder.cdef(_cdef())
 _compile, _link = _compile_args()
 ffibuilder.set_source(
     "colibri._colibri_cffi",
-    '#include "lru_store.h"\n#include "lru_test_hooks.h"',
+    '#include "lru_store.h"\n#include "lru_test_hooks.h"\n#include "ffn.h"',
     sources=[os.path.join(CSRC, s) for s in SOURCES],
     include_dirs=[CSRC],
     depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")],
