@@ -405,6 +405,9 @@ static void run_panels(const Run *run, const MatJob *j, int64_t p0, int64_t p1, 
                    sizeof(float) * (size_t)((COLI_FFN_DOT_ROWS - nr) * k->kc));
         for (int64_t k0 = 0; k0 < m->n_in; k0 += k->kc) {
             int kc = (int)(m->n_in - k0 < k->kc ? m->n_in - k0 : k->kc);
+            if (k->fused && tokens <= COLI_FFN_FUSED_TOKENS &&
+                k->fused(m, k, n0, nr, k0, kc, x + k0, ldx, tokens, acc, aux))
+                continue;
             k->decode(m, k, n0, nr, k0, kc, tile, aux);
             if (k->layout == COLI_FFN_DOT)
                 run->ops->dot(tile, k->kc, (int)round_up(kc, COLI_FFN_KBLOCK), x + k0, ldx,

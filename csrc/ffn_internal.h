@@ -36,7 +36,8 @@ enum {
     COLI_FFN_DOT_KC = 256,      /* DOT: inputs per chunk (a multiple of KBLOCK) */
     COLI_FFN_AXPY_KC = 64,      /* AXPY: inputs per chunk (a multiple of 8: GPTQ's words) */
     COLI_FFN_MAX_PANEL = 128,   /* AXPY: outputs per panel at most */
-    COLI_FFN_DOT_LANES = 16     /* DOT: partial sums kept per (token, output) */
+    COLI_FFN_DOT_LANES = 16,    /* DOT: partial sums kept per (token, output) */
+    COLI_FFN_FUSED_TOKENS = 4   /* fused kernels take batches of at most this many tokens */
 };
 
 enum { COLI_FFN_DOT = 0, COLI_FFN_AXPY = 1 };
@@ -68,6 +69,13 @@ typedef struct ColiFfnKernel ColiFfnKernel;
  * aux: what the kernel's prepare wrote for this panel. */
 typedef void (*ColiFfnDecodeFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
                                 int64_t k0, int kc, float *tile, const float *aux);
+/* Decodes and applies a chunk in registers, for at most
+ * COLI_FFN_FUSED_TOKENS tokens (acc as the layout's micro-kernel's, x at
+ * the chunk's first input); 0 when it declines the chunk (a partial panel
+ * or block), which then takes the tile path. */
+typedef int (*ColiFfnFusedFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                              int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
+                              float *acc, const float *aux);
 /* Per-panel set-up (GPTQ and AWQ: float scales and scaled zeros of every
  * group for the panel's outputs, in the tile's order) into aux. */
 typedef void (*ColiFfnPrepareFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
@@ -83,6 +91,7 @@ struct ColiFfnKernel {
     ColiFfnPrepareFn prepare;   /* NULL: nothing per panel */
     int64_t (*aux_floats)(const ColiFfnMat *m, const ColiFfnKernel *k);  /* NULL: 0 */
     ColiFfnDecodeFn decode;
+    ColiFfnFusedFn fused;       /* NULL: always the tile path */
 };
 
 /* One path's micro-kernels.
@@ -138,12 +147,57 @@ float coli_ffn_scale(const ColiFfnMat *m, int64_t index);  /* scale number index
  * subtracted from: int4 without zero points 8, GPTQ's original format the
  * stored nibble plus one. */
 int coli_ffn_zero(const ColiFfnMat *m, int64_t n, int64_t g);
+/* Scale number i as float, and the zero point as coli_ffn_zero, inline so
+ * that SIMD code calls no function per group. */
+static inline float coli_ffn_scale_at(const ColiFfnMat *m, int64_t i) {
+    uint16_t h;
+    float f;
+    switch (m->scale_format) {
+    case COLI_SCALE_F32:
+        memcpy(&f, m->scales + 4 * i, sizeof f);
+        return f;
+    case COLI_SCALE_BF16: {
+        memcpy(&h, m->scales + 2 * i, sizeof h);
+        uint32_t u = (uint32_t)h << 16;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    default: return coli_ffn_scale(m, i);
+    }
+}
+
+static inline int coli_ffn_nibble_at(const uint8_t *p, int64_t word, int n) {
+    return (p[4 * word + n / 2] >> (4 * (n & 1))) & 0xf;
+}
+
+static inline int coli_ffn_zero_at(const ColiFfnMat *m, int64_t n, int64_t g) {
+    if (m->format == COLI_TENSOR_INT4_BLOCK)
+        return m->zeros ? coli_ffn_nibble_at(m->zeros, (n / 8) * m->groups + g, (int)(n % 8)) : 8;
+    return coli_ffn_zero(m, n, g);
+}
+
 /* The group of input k (GPTQ: g_idx). */
 static inline int64_t coli_ffn_group_of(const ColiFfnMat *m, int64_t k) {
     if (!m->g_idx) return k / m->group;
     int32_t g;
     memcpy(&g, m->g_idx + 4 * k, sizeof g);
     return g;
+}
+
+/* The group of each input k0 .. k0 + kc - 1, without a division per input. */
+static inline void coli_ffn_chunk_groups(const ColiFfnMat *m, int64_t k0, int kc, int64_t *out) {
+    if (m->g_idx) {
+        for (int j = 0; j < kc; j++) out[j] = coli_ffn_group_of(m, k0 + j);
+        return;
+    }
+    int64_t g = k0 / m->group, next = (g + 1) * m->group;
+    for (int j = 0; j < kc; j++) {
+        if (k0 + j == next) {
+            g++;
+            next += m->group;
+        }
+        out[j] = g;
+    }
 }
 
 #endif /* COLI_FFN_INTERNAL_H */

@@ -253,13 +253,13 @@ const ColiFfnIsaOps coli_ffn_ops_scalar = {dot_scalar, axpy_scalar, act_scalar};
 
 static const ColiFfnKernel DOT_SCALAR = {
     "scalar", COLI_FFN_DOT, COLI_FFN_DOT_ROWS, COLI_FFN_DOT_KC, NULL, NULL, NULL, NULL,
-    coli_ffn_decode_scalar};
+    coli_ffn_decode_scalar, NULL};
 static const ColiFfnKernel AXPY_SCALAR = {
     "scalar", COLI_FFN_AXPY, 64, COLI_FFN_AXPY_KC, NULL, NULL, NULL, NULL,
-    coli_ffn_decode_scalar};
+    coli_ffn_decode_scalar, NULL};
 static const ColiFfnKernel QUANT_SCALAR = {
     "scalar", COLI_FFN_AXPY, 64, COLI_FFN_AXPY_KC, NULL, NULL, coli_ffn_prepare_quant,
-    coli_ffn_quant_aux, coli_ffn_decode_scalar};
+    coli_ffn_quant_aux, coli_ffn_decode_scalar, NULL};
 
 const ColiFfnKernel *coli_ffn_kernel_scalar(ColiTensorFormat format, int in_out) {
     switch (format) {

@@ -9,12 +9,19 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "ffn_internal.h"
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+/* Helpers are inlined into their (same-target) callers: a call would pass
+ * vectors through memory. */
+#define INLINE static inline __attribute__((always_inline))
+/* The small constant loops over rows, tokens and vectors must become
+ * straight code, so that their vectors stay in registers. */
+#define UNROLL _Pragma("GCC unroll 8")
 
 enum { ROWS = COLI_FFN_DOT_ROWS, LANES = COLI_FFN_DOT_LANES };
 
@@ -25,13 +32,13 @@ enum { ROWS = COLI_FFN_DOT_ROWS, LANES = COLI_FFN_DOT_LANES };
     AVX512 static void dot512_##TB(const float *tile, int ld, int kcp, const float *x,      \
                                    int64_t ldx, float *acc) {                             \
         __m512 a[TB][ROWS];                                                               \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int r = 0; r < ROWS; r++) a[t][r] = _mm512_loadu_ps(acc + (t * ROWS + r) * LANES); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int r = 0; r < ROWS; r++) a[t][r] = _mm512_loadu_ps(acc + (t * ROWS + r) * LANES); \
         for (int p = 0; p < kcp; p += 16) {                                               \
             __m512 w0 = _mm512_loadu_ps(tile + p), w1 = _mm512_loadu_ps(tile + ld + p);   \
             __m512 w2 = _mm512_loadu_ps(tile + 2 * ld + p);                               \
             __m512 w3 = _mm512_loadu_ps(tile + 3 * ld + p);                               \
-            for (int t = 0; t < TB; t++) {                                                \
+            UNROLL for (int t = 0; t < TB; t++) {                                                \
                 __m512 xv = _mm512_loadu_ps(x + t * ldx + p);                             \
                 a[t][0] = _mm512_fmadd_ps(w0, xv, a[t][0]);                               \
                 a[t][1] = _mm512_fmadd_ps(w1, xv, a[t][1]);                               \
@@ -39,8 +46,8 @@ enum { ROWS = COLI_FFN_DOT_ROWS, LANES = COLI_FFN_DOT_LANES };
                 a[t][3] = _mm512_fmadd_ps(w3, xv, a[t][3]);                               \
             }                                                                             \
         }                                                                                 \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
     }
 DOT512_BLOCK(1)
 DOT512_BLOCK(2)
@@ -64,13 +71,13 @@ AVX512 static void dot512(const float *tile, int ld, int kcp, const float *x, in
     AVX512 static void axpy512_##TB(const float *tile, int ld, int kc, const float *x,      \
                                     int64_t ldx, float *acc, int panel) {                 \
         __m512 a[TB][4];                                                                  \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int v = 0; v < 4; v++) a[t][v] = _mm512_loadu_ps(acc + t * panel + 16 * v); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int v = 0; v < 4; v++) a[t][v] = _mm512_loadu_ps(acc + t * panel + 16 * v); \
         for (int j = 0; j < kc; j++) {                                                    \
             const float *w = tile + (int64_t)j * ld;                                      \
             __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);                 \
             __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);            \
-            for (int t = 0; t < TB; t++) {                                                \
+            UNROLL for (int t = 0; t < TB; t++) {                                                \
                 __m512 xv = _mm512_set1_ps(x[t * ldx + j]);                               \
                 a[t][0] = _mm512_fmadd_ps(w0, xv, a[t][0]);                               \
                 a[t][1] = _mm512_fmadd_ps(w1, xv, a[t][1]);                               \
@@ -78,8 +85,8 @@ AVX512 static void dot512(const float *tile, int ld, int kcp, const float *x, in
                 a[t][3] = _mm512_fmadd_ps(w3, xv, a[t][3]);                               \
             }                                                                             \
         }                                                                                 \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + t * panel + 16 * v, a[t][v]); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + t * panel + 16 * v, a[t][v]); \
     }
 AXPY512_BLOCK(1)
 AXPY512_BLOCK(2)
@@ -104,7 +111,7 @@ AVX512 static void axpy512(const float *tile, int ld, int kc, int panel, const f
 /* exp(v) for the activations: 2^n * p(r), r = v - n ln 2 in two parts,
  * p of degree 6 (relative error about 2e-7); scalef rounds to 0 and inf
  * outside float's range. */
-AVX512 static __m512 exp512(__m512 v) {
+AVX512 INLINE __m512 exp512(__m512 v) {
     /* Clamped (NaN kept: the second operand wins) so that n stays where
      * scalef still gives 0 and inf, and r stays small. */
     v = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), v));
@@ -154,13 +161,13 @@ const ColiFfnIsaOps coli_ffn_ops_avx512 = {dot512, axpy512, act512};
     AVX2 static void dot256_##TB(const float *tile, int ld, int kcp, const float *x,        \
                                  int64_t ldx, float *acc) {                               \
         __m256 a[TB][ROWS];                                                               \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int r = 0; r < ROWS; r++) a[t][r] = _mm256_loadu_ps(acc + (t * ROWS + r) * LANES); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int r = 0; r < ROWS; r++) a[t][r] = _mm256_loadu_ps(acc + (t * ROWS + r) * LANES); \
         for (int p = 0; p < kcp; p += 8) {                                                \
             __m256 w0 = _mm256_loadu_ps(tile + p), w1 = _mm256_loadu_ps(tile + ld + p);   \
             __m256 w2 = _mm256_loadu_ps(tile + 2 * ld + p);                               \
             __m256 w3 = _mm256_loadu_ps(tile + 3 * ld + p);                               \
-            for (int t = 0; t < TB; t++) {                                                \
+            UNROLL for (int t = 0; t < TB; t++) {                                                \
                 __m256 xv = _mm256_loadu_ps(x + t * ldx + p);                             \
                 a[t][0] = _mm256_fmadd_ps(w0, xv, a[t][0]);                               \
                 a[t][1] = _mm256_fmadd_ps(w1, xv, a[t][1]);                               \
@@ -168,8 +175,8 @@ const ColiFfnIsaOps coli_ffn_ops_avx512 = {dot512, axpy512, act512};
                 a[t][3] = _mm256_fmadd_ps(w3, xv, a[t][3]);                               \
             }                                                                             \
         }                                                                                 \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
     }
 DOT256_BLOCK(1)
 DOT256_BLOCK(2)
@@ -186,13 +193,13 @@ AVX2 static void dot256(const float *tile, int ld, int kcp, const float *x, int6
     AVX2 static void axpy256_##TB(const float *tile, int ld, int kc, const float *x,        \
                                   int64_t ldx, float *acc, int panel) {                   \
         __m256 a[TB][4];                                                                  \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int v = 0; v < 4; v++) a[t][v] = _mm256_loadu_ps(acc + t * panel + 8 * v); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int v = 0; v < 4; v++) a[t][v] = _mm256_loadu_ps(acc + t * panel + 8 * v); \
         for (int j = 0; j < kc; j++) {                                                    \
             const float *w = tile + (int64_t)j * ld;                                      \
             __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);                  \
             __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);            \
-            for (int t = 0; t < TB; t++) {                                                \
+            UNROLL for (int t = 0; t < TB; t++) {                                                \
                 __m256 xv = _mm256_broadcast_ss(x + t * ldx + j);                         \
                 a[t][0] = _mm256_fmadd_ps(w0, xv, a[t][0]);                               \
                 a[t][1] = _mm256_fmadd_ps(w1, xv, a[t][1]);                               \
@@ -200,8 +207,8 @@ AVX2 static void dot256(const float *tile, int ld, int kcp, const float *x, int6
                 a[t][3] = _mm256_fmadd_ps(w3, xv, a[t][3]);                               \
             }                                                                             \
         }                                                                                 \
-        for (int t = 0; t < TB; t++)                                                      \
-            for (int v = 0; v < 4; v++) _mm256_storeu_ps(acc + t * panel + 8 * v, a[t][v]); \
+        UNROLL for (int t = 0; t < TB; t++)                                                      \
+            UNROLL for (int v = 0; v < 4; v++) _mm256_storeu_ps(acc + t * panel + 8 * v, a[t][v]); \
     }
 AXPY256_BLOCK(1)
 AXPY256_BLOCK(2)
@@ -219,7 +226,7 @@ AVX2 static void axpy256(const float *tile, int ld, int kc, int panel, const flo
 /* exp as exp512, with the power of two built from the exponent bits;
  * inputs are clamped to where that is exact, which gives 0 and inf (and
  * keeps NaN) at the ends. */
-AVX2 static __m256 exp256(__m256 v) {
+AVX2 INLINE __m256 exp256(__m256 v) {
     const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-87.3365f);
     __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
     __m256 over = _mm256_cmp_ps(v, hi, _CMP_GT_OQ), under = _mm256_cmp_ps(v, lo, _CMP_LT_OQ);
@@ -271,17 +278,289 @@ AVX2 static void act256(int activation, float alpha, float limit, const float *g
 
 const ColiFfnIsaOps coli_ffn_ops_avx2 = {dot256, axpy256, act256};
 
+/* ------------------------------------------------------------ decoders, shared */
+
+/* Element order inside each block of 32 inputs for kernels that decode a
+ * byte's two nibbles into two vectors: the low nibbles (even inputs)
+ * first, then the high ones. EVEN_ODD16 does the same per 16 (AVX2). */
+static const uint8_t EVEN_ODD32[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+static const uint8_t EVEN_ODD16[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                       16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31};
+
+/* AWQ's packing: output c of a panel of 8 * L words (L lanes) sits at
+ * L * nibble + word, nibble holding column AWQ_ORDER[nibble] of its eight. */
+static const int AWQ_NIBBLE[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+static uint8_t AWQ_POS128[128], AWQ_POS64[64];
+static void awq_positions(void) {
+    for (int c = 0; c < 128; c++) AWQ_POS128[c] = (uint8_t)(16 * AWQ_NIBBLE[c % 8] + c / 8);
+    for (int c = 0; c < 64; c++) AWQ_POS64[c] = (uint8_t)(8 * AWQ_NIBBLE[c % 8] + c / 8);
+}
+
+/* DOT kernels work on whole blocks of 32 inputs inside one scale group;
+ * what is left at the end of a row goes through the scalar decoder. */
+static void dot_tail(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t o, int64_t k0, int done,
+                     int kc, float *row) {
+    if (done < kc) coli_ffn_decode_scalar(m, k, o, 1, k0 + done, kc - done, row + done, NULL);
+}
+
+/* ------------------------------------------------------------ AVX-512 decoders */
+
+/* int4 (compressed-tensors) and MXFP4: a row's 16 bytes hold 32 inputs;
+ * each nibble indexes a 16-entry table of its group's values, built once
+ * per group: (q - zero) * scale, or e2m1 * 2^(e - 127). */
+AVX512 INLINE __m512 nibble_table512(const ColiFfnMat *m, int64_t o, int64_t g) {
+    static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    if (m->format == COLI_TENSOR_FP4_NATIVE_BLOCK)
+        return _mm512_scalef_ps(_mm512_loadu_ps(E2M1),
+                                _mm512_set1_ps((float)m->scales[o * m->groups + g] - 127.0f));
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps((float)coli_ffn_zero_at(m, o, g))),
+                         _mm512_set1_ps(coli_ffn_scale_at(m, o * m->groups + g)));
+}
+
+AVX512 static void dot_nibbles512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                  int64_t k0, int kc, float *tile, const float *aux) {
+    (void)aux;
+    int full = m->group % COLI_FFN_KBLOCK == 0 ? kc & ~(COLI_FFN_KBLOCK - 1) : 0;
+    int64_t g0 = k0 / m->group;
+    int first_end = (int)((g0 + 1) * m->group - k0);
+    for (int r = 0; r < nr; r++) {
+        int64_t o = n0 + r;
+        const uint8_t *src = m->data + o * (m->n_in / 2) + k0 / 2;
+        float *row = tile + (int64_t)r * k->kc;
+        int64_t g = g0;
+        for (int j = 0, end = first_end; j < full; g++, end += (int)m->group) {
+            __m512 table = nibble_table512(m, o, g);
+            for (int stop = end < full ? end : full; j < stop; j += 32) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j / 2)));
+                _mm512_storeu_ps(row + j, _mm512_permutexvar_ps(v, table));
+                _mm512_storeu_ps(row + j + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+            }
+        }
+        dot_tail(m, k, o, k0, full, kc, row);
+    }
+}
+
+/* The same applied in registers to TB tokens, four rows at once. */
+#define FUSED_NIBBLES512(TB)                                                                \
+    AVX512 static void fused_nibbles512_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                             const float *x, int64_t ldx, float *acc) {     \
+        __m512 a[TB][ROWS];                                                                 \
+        const uint8_t *src[ROWS];                                                           \
+        UNROLL for (int r = 0; r < ROWS; r++) src[r] = m->data + (n0 + r) * (m->n_in / 2) + k0 / 2; \
+        UNROLL for (int t = 0; t < TB; t++)                                                        \
+            UNROLL for (int r = 0; r < ROWS; r++) a[t][r] = _mm512_loadu_ps(acc + (t * ROWS + r) * LANES); \
+        int64_t g = k0 / m->group;                                                          \
+        for (int j = 0, end = (int)((g + 1) * m->group - k0); j < kc; g++, end += (int)m->group) { \
+            __m512 tab[ROWS];                                                               \
+            UNROLL for (int r = 0; r < ROWS; r++) tab[r] = nibble_table512(m, n0 + r, g);          \
+            for (int stop = end < kc ? end : kc; j < stop; j += 32) {                       \
+                UNROLL for (int r = 0; r < ROWS; r++) {                                            \
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src[r] + j / 2))); \
+                    __m512 lo = _mm512_permutexvar_ps(v, tab[r]);                           \
+                    __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab[r]);     \
+                    UNROLL for (int t = 0; t < TB; t++) {                                          \
+                        a[t][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * ldx + j), a[t][r]); \
+                        a[t][r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * ldx + j + 16), a[t][r]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        UNROLL for (int t = 0; t < TB; t++)                                                        \
+            UNROLL for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
+    }
+FUSED_NIBBLES512(1)
+FUSED_NIBBLES512(2)
+FUSED_NIBBLES512(3)
+FUSED_NIBBLES512(4)
+
+AVX512 static int fused_nibbles512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                   int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
+                                   float *acc, const float *aux) {
+    (void)k;
+    (void)aux;
+    if (nr != ROWS || kc % COLI_FFN_KBLOCK || m->group % COLI_FFN_KBLOCK) return 0;
+    switch (tokens) {
+    case 1: fused_nibbles512_1(m, n0, k0, kc, x, ldx, acc); break;
+    case 2: fused_nibbles512_2(m, n0, k0, kc, x, ldx, acc); break;
+    case 3: fused_nibbles512_3(m, n0, k0, kc, x, ldx, acc); break;
+    default: fused_nibbles512_4(m, n0, k0, kc, x, ldx, acc); break;
+    }
+    return 1;
+}
+
+/* 16 plain elements (F32, F16, BF16, e4m3, e5m2) at src as floats. */
+AVX512 INLINE __m512 plain16_512(ColiTensorFormat f, const uint8_t *src) {
+    switch (f) {
+    case COLI_TENSOR_F32: return _mm512_loadu_ps(src);
+    case COLI_TENSOR_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    case COLI_TENSOR_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+    case COLI_TENSOR_F8_E5M2:
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src)), 8));
+    default: {  /* e4m3: its bits moved into an f16 (exponent bias 15, not 7: times 2^8) */
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+        __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(mag, 7));
+        __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+        __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+        return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN));
+    }
+    }
+}
+
+static int elem_bytes(ColiTensorFormat f) {
+    return f == COLI_TENSOR_F32 ? 4 : f == COLI_TENSOR_F16 || f == COLI_TENSOR_BF16 ? 2 : 1;
+}
+
+/* The FP8 block scale of stored (row, col), or 1 for unscaled formats. */
+static float plain_scale(const ColiFfnMat *m, int64_t row, int64_t col) {
+    if (m->format != COLI_TENSOR_FP8_E4M3_BLOCK) return 1.0f;
+    int64_t per_row = (m->cols + m->block_columns - 1) / m->block_columns;
+    return coli_ffn_scale(m, (row / m->block_rows) * per_row + col / m->block_columns);
+}
+
+/* Whole vectors of 16 columns lie in one FP8 scale block only when blocks
+ * are a multiple of 16 wide. */
+static int plain_vectors_ok(const ColiFfnMat *m, int lanes) {
+    return m->format != COLI_TENSOR_FP8_E4M3_BLOCK || m->block_columns % (uint32_t)lanes == 0;
+}
+
+AVX512 static void dot_plain512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                int64_t k0, int kc, float *tile, const float *aux) {
+    (void)aux;
+    int eb = elem_bytes(m->format), full = plain_vectors_ok(m, 16) ? kc & ~15 : 0;
+    ColiTensorFormat f = m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? COLI_TENSOR_F8_E4M3 : m->format;
+    for (int r = 0; r < nr; r++) {
+        int64_t o = n0 + r;
+        const uint8_t *src = m->data + (o * m->cols + k0) * eb;
+        float *row = tile + (int64_t)r * k->kc;
+        for (int j = 0; j < full; j += 16)
+            _mm512_storeu_ps(row + j, _mm512_mul_ps(plain16_512(f, src + j * eb),
+                                                    _mm512_set1_ps(plain_scale(m, o, k0 + j))));
+        dot_tail(m, k, o, k0, full, kc, row);
+    }
+}
+
+AVX512 static void axpy_plain512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                 int64_t k0, int kc, float *tile, const float *aux) {
+    int panel = k->panel;
+    if (nr < panel || !plain_vectors_ok(m, 16)) {
+        coli_ffn_decode_scalar(m, k, n0, nr, k0, kc, tile, aux);
+        return;
+    }
+    int eb = elem_bytes(m->format);
+    ColiTensorFormat f = m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? COLI_TENSOR_F8_E4M3 : m->format;
+    for (int j = 0; j < kc; j++) {
+        const uint8_t *src = m->data + ((k0 + j) * m->cols + n0) * eb;
+        for (int c = 0; c < panel; c += 16)
+            _mm512_storeu_ps(tile + (int64_t)j * panel + c,
+                             _mm512_mul_ps(plain16_512(f, src + c * eb),
+                                           _mm512_set1_ps(plain_scale(m, k0 + j, n0 + c))));
+    }
+}
+
+/* GPTQ: 16 output columns' words per vector, each word eight inputs;
+ * nibble j of word row w is input 8w + j, dequantized with its group's
+ * scales and zero points from aux. */
+AVX512 static void axpy_gptq512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                int64_t k0, int kc, float *tile, const float *aux) {
+    int panel = k->panel;
+    if (nr < panel) {
+        coli_ffn_decode_scalar(m, k, n0, nr, k0, kc, tile, aux);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi32(0xf);
+    int64_t groups[COLI_FFN_AXPY_KC];
+    coli_ffn_chunk_groups(m, k0, kc, groups);
+    for (int j8 = 0; j8 < kc; j8 += 8) {
+        const uint8_t *src = m->data + (((k0 + j8) / 8) * m->n_out + n0) * 4;
+        for (int c = 0; c < panel; c += 16) {
+            __m512i w = _mm512_loadu_si512(src + 4 * c);
+            UNROLL for (int j = 0; j < 8; j++) {
+                const float *s = aux + 2 * panel * groups[j8 + j];
+                __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 4 * j), low));
+                q = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_loadu_ps(s + panel + c)),
+                                  _mm512_loadu_ps(s + c));
+                _mm512_storeu_ps(tile + (int64_t)(j8 + j) * panel + c, q);
+            }
+        }
+    }
+}
+
+/* AWQ: one input row's 16 words are 128 outputs; nibble j of the words is
+ * one vector (positions 16j..16j+15, see awq_positions). */
+AVX512 static void axpy_awq512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                               int64_t k0, int kc, float *tile, const float *aux) {
+    int panel = k->panel;
+    if (nr < panel) {
+        coli_ffn_decode_scalar(m, k, n0, nr, k0, kc, tile, aux);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi32(0xf);
+    int64_t groups[COLI_FFN_AXPY_KC];
+    coli_ffn_chunk_groups(m, k0, kc, groups);
+    for (int j = 0; j < kc; j++) {
+        int64_t kk = k0 + j;
+        const float *s = aux + 2 * panel * groups[j];
+        __m512i w = _mm512_loadu_si512(m->data + (kk * (m->n_out / 8) + n0 / 8) * 4);
+        UNROLL for (int n = 0; n < 8; n++) {
+            __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 4 * n), low));
+            q = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_loadu_ps(s + panel + 16 * n)),
+                              _mm512_loadu_ps(s + 16 * n));
+            _mm512_storeu_ps(tile + (int64_t)j * panel + 16 * n, q);
+        }
+    }
+}
+
 /* ------------------------------------------------------------ kernel tables */
 
+#define DOT_KERNEL(NAME, KPOS, DECODE, FUSED) \
+    {NAME, COLI_FFN_DOT, COLI_FFN_DOT_ROWS, COLI_FFN_DOT_KC, KPOS, NULL, NULL, NULL, DECODE, FUSED}
+#define AXPY_KERNEL(NAME, PANEL, COLPOS, PREPARE, AUX, DECODE) \
+    {NAME, COLI_FFN_AXPY, PANEL, COLI_FFN_AXPY_KC, NULL, COLPOS, PREPARE, AUX, DECODE, NULL}
+
+static const ColiFfnKernel K512_INT4 = DOT_KERNEL("int4/avx512", EVEN_ODD32, dot_nibbles512,
+                                                  fused_nibbles512);
+static const ColiFfnKernel K512_MXFP4 = DOT_KERNEL("mxfp4/avx512", EVEN_ODD32, dot_nibbles512,
+                                                   fused_nibbles512);
+static const ColiFfnKernel K512_PLAIN = DOT_KERNEL("plain/avx512", NULL, dot_plain512, NULL);
+static const ColiFfnKernel K512_PLAIN_T = AXPY_KERNEL("plain-in-out/avx512", 64, NULL, NULL, NULL,
+                                                      axpy_plain512);
+static const ColiFfnKernel K512_GPTQ = AXPY_KERNEL("gptq/avx512", 64, NULL, coli_ffn_prepare_quant,
+                                                   coli_ffn_quant_aux, axpy_gptq512);
+static const ColiFfnKernel K512_AWQ = AXPY_KERNEL("awq/avx512", 128, AWQ_POS128,
+                                                  coli_ffn_prepare_quant, coli_ffn_quant_aux,
+                                                  axpy_awq512);
+
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
 const ColiFfnKernel *coli_ffn_kernel_avx512(ColiTensorFormat format, int in_out) {
-    (void)format;
-    (void)in_out;
-    return NULL;
+    pthread_once(&tables_once, awq_positions);
+    switch (format) {
+    case COLI_TENSOR_F32:
+    case COLI_TENSOR_F16:
+    case COLI_TENSOR_BF16:
+    case COLI_TENSOR_F8_E4M3:
+    case COLI_TENSOR_F8_E5M2:
+    case COLI_TENSOR_FP8_E4M3_BLOCK: return in_out ? &K512_PLAIN_T : &K512_PLAIN;
+    case COLI_TENSOR_FP4_NATIVE_BLOCK: return in_out ? NULL : &K512_MXFP4;
+    case COLI_TENSOR_INT4_BLOCK: return in_out ? NULL : &K512_INT4;
+    case COLI_TENSOR_INT4_GPTQ: return in_out ? &K512_GPTQ : NULL;
+    case COLI_TENSOR_INT4_AWQ: return in_out ? &K512_AWQ : NULL;
+    default: return NULL;
+    }
 }
 
 const ColiFfnKernel *coli_ffn_kernel_avx2(ColiTensorFormat format, int in_out) {
     (void)format;
     (void)in_out;
+    (void)EVEN_ODD16;
+    (void)AWQ_POS64;
     return NULL;
 }
 
