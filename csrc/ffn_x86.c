@@ -464,6 +464,142 @@ AVX512 static void axpy_plain512(const ColiFfnMat *m, const ColiFfnKernel *k, in
     }
 }
 
+/* Plain and FP8 rows applied in registers to TB tokens, four rows at once,
+ * over segments of one FP8 scale block (the whole chunk when unscaled). */
+#define FUSED_PLAIN512(TB)                                                                  \
+    AVX512 static void fused_plain512_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                           const float *x, int64_t ldx, float *acc) {       \
+        int eb = elem_bytes(m->format);                                                     \
+        ColiTensorFormat f = m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? COLI_TENSOR_F8_E4M3 : m->format; \
+        int64_t seg = m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? (int64_t)m->block_columns     \
+                                                               : COLI_FFN_DOT_KC;          \
+        __m512 a[TB][ROWS];                                                                 \
+        const uint8_t *src[ROWS];                                                           \
+        UNROLL for (int r = 0; r < ROWS; r++) src[r] = m->data + ((n0 + r) * m->cols + k0) * eb; \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int r = 0; r < ROWS; r++) a[t][r] = _mm512_loadu_ps(acc + (t * ROWS + r) * LANES); \
+        for (int j = 0, end = (int)(seg - k0 % seg); j < kc; end += (int)seg) {             \
+            __m512 sc[ROWS];                                                                \
+            UNROLL for (int r = 0; r < ROWS; r++) sc[r] = _mm512_set1_ps(plain_scale(m, n0 + r, k0 + j)); \
+            for (int stop = end < kc ? end : kc; j < stop; j += 16) {                       \
+                UNROLL for (int r = 0; r < ROWS; r++) {                                     \
+                    __m512 w = _mm512_mul_ps(plain16_512(f, src[r] + j * eb), sc[r]);       \
+                    UNROLL for (int t = 0; t < TB; t++)                                     \
+                        a[t][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + t * ldx + j), a[t][r]); \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
+    }
+FUSED_PLAIN512(1)
+FUSED_PLAIN512(2)
+FUSED_PLAIN512(3)
+FUSED_PLAIN512(4)
+
+AVX512 static int fused_plain512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                 int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
+                                 float *acc, const float *aux) {
+    (void)k;
+    (void)aux;
+    if (nr != ROWS || kc % 16 || !plain_vectors_ok(m, 16)) return 0;
+    switch (tokens) {
+    case 1: fused_plain512_1(m, n0, k0, kc, x, ldx, acc); break;
+    case 2: fused_plain512_2(m, n0, k0, kc, x, ldx, acc); break;
+    case 3: fused_plain512_3(m, n0, k0, kc, x, ldx, acc); break;
+    default: fused_plain512_4(m, n0, k0, kc, x, ldx, acc); break;
+    }
+    return 1;
+}
+
+/* GPTQ in registers: per word row, each of the panel's four vectors of
+ * words gives eight inputs' weights, applied to TB tokens at once. */
+#define FUSED_GPTQ512(TB)                                                                   \
+    AVX512 static void fused_gptq512_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                          const float *x, int64_t ldx, float *acc,          \
+                                          const float *aux, const int64_t *groups) {        \
+        const __m512i low = _mm512_set1_epi32(0xf);                                         \
+        __m512 a[TB][4];                                                                    \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int c = 0; c < 4; c++) a[t][c] = _mm512_loadu_ps(acc + t * 64 + 16 * c); \
+        for (int j8 = 0; j8 < kc; j8 += 8) {                                                \
+            const uint8_t *src = m->data + (((k0 + j8) / 8) * m->n_out + n0) * 4;           \
+            __m512i w[4];                                                                   \
+            UNROLL for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_si512(src + 64 * c);     \
+            UNROLL for (int j = 0; j < 8; j++) {                                            \
+                const float *s = aux + 128 * groups[j8 + j];                                \
+                __m512 xv[TB];                                                              \
+                UNROLL for (int t = 0; t < TB; t++) xv[t] = _mm512_set1_ps(x[t * ldx + j8 + j]); \
+                UNROLL for (int c = 0; c < 4; c++) {                                        \
+                    __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[c], 4 * j), low)); \
+                    q = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_loadu_ps(s + 64 + 16 * c)),   \
+                                      _mm512_loadu_ps(s + 16 * c));                         \
+                    UNROLL for (int t = 0; t < TB; t++) a[t][c] = _mm512_fmadd_ps(q, xv[t], a[t][c]); \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + t * 64 + 16 * c, a[t][c]); \
+    }
+FUSED_GPTQ512(1)
+FUSED_GPTQ512(2)
+FUSED_GPTQ512(3)
+FUSED_GPTQ512(4)
+
+AVX512 static int fused_gptq512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
+                                float *acc, const float *aux) {
+    if (nr != k->panel || k->panel != 64) return 0;
+    int64_t groups[COLI_FFN_AXPY_KC];
+    coli_ffn_chunk_groups(m, k0, kc, groups);
+    switch (tokens) {
+    case 1: fused_gptq512_1(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
+    case 2: fused_gptq512_2(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
+    case 3: fused_gptq512_3(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
+    default: fused_gptq512_4(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
+    }
+    return 1;
+}
+
+/* AWQ in registers: an input row's 16 words are eight vectors of
+ * outputs, applied to TB (at most two) tokens. */
+#define FUSED_AWQ512(TB)                                                                    \
+    AVX512 static void fused_awq512_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                         const float *x, int64_t ldx, float *acc,           \
+                                         const float *aux, const int64_t *groups) {         \
+        const __m512i low = _mm512_set1_epi32(0xf);                                         \
+        __m512 a[TB][8];                                                                    \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int n = 0; n < 8; n++) a[t][n] = _mm512_loadu_ps(acc + t * 128 + 16 * n); \
+        for (int j = 0; j < kc; j++) {                                                      \
+            const float *s = aux + 256 * groups[j];                                         \
+            __m512i w = _mm512_loadu_si512(m->data + ((k0 + j) * (m->n_out / 8) + n0 / 8) * 4); \
+            __m512 xv[TB];                                                                  \
+            UNROLL for (int t = 0; t < TB; t++) xv[t] = _mm512_set1_ps(x[t * ldx + j]);     \
+            UNROLL for (int n = 0; n < 8; n++) {                                            \
+                __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 4 * n), low)); \
+                q = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_loadu_ps(s + 128 + 16 * n)),      \
+                                  _mm512_loadu_ps(s + 16 * n));                             \
+                UNROLL for (int t = 0; t < TB; t++) a[t][n] = _mm512_fmadd_ps(q, xv[t], a[t][n]); \
+            }                                                                               \
+        }                                                                                   \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int n = 0; n < 8; n++) _mm512_storeu_ps(acc + t * 128 + 16 * n, a[t][n]); \
+    }
+FUSED_AWQ512(1)
+FUSED_AWQ512(2)
+
+AVX512 static int fused_awq512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                               int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
+                               float *acc, const float *aux) {
+    if (nr != k->panel || k->panel != 128 || tokens > 2) return 0;
+    int64_t groups[COLI_FFN_AXPY_KC];
+    coli_ffn_chunk_groups(m, k0, kc, groups);
+    if (tokens == 1) fused_awq512_1(m, n0, k0, kc, x, ldx, acc, aux, groups);
+    else fused_awq512_2(m, n0, k0, kc, x, ldx, acc, aux, groups);
+    return 1;
+}
+
 /* GPTQ: 16 output columns' words per vector, each word eight inputs;
  * nibble j of word row w is input 8w + j, dequantized with its group's
  * scales and zero points from aux. */
@@ -521,21 +657,22 @@ AVX512 static void axpy_awq512(const ColiFfnMat *m, const ColiFfnKernel *k, int6
 
 #define DOT_KERNEL(NAME, KPOS, DECODE, FUSED) \
     {NAME, COLI_FFN_DOT, COLI_FFN_DOT_ROWS, COLI_FFN_DOT_KC, KPOS, NULL, NULL, NULL, DECODE, FUSED}
-#define AXPY_KERNEL(NAME, PANEL, COLPOS, PREPARE, AUX, DECODE) \
-    {NAME, COLI_FFN_AXPY, PANEL, COLI_FFN_AXPY_KC, NULL, COLPOS, PREPARE, AUX, DECODE, NULL}
+#define AXPY_KERNEL(NAME, PANEL, COLPOS, PREPARE, AUX, DECODE, FUSED) \
+    {NAME, COLI_FFN_AXPY, PANEL, COLI_FFN_AXPY_KC, NULL, COLPOS, PREPARE, AUX, DECODE, FUSED}
 
 static const ColiFfnKernel K512_INT4 = DOT_KERNEL("int4/avx512", EVEN_ODD32, dot_nibbles512,
                                                   fused_nibbles512);
 static const ColiFfnKernel K512_MXFP4 = DOT_KERNEL("mxfp4/avx512", EVEN_ODD32, dot_nibbles512,
                                                    fused_nibbles512);
-static const ColiFfnKernel K512_PLAIN = DOT_KERNEL("plain/avx512", NULL, dot_plain512, NULL);
+static const ColiFfnKernel K512_PLAIN = DOT_KERNEL("plain/avx512", NULL, dot_plain512,
+                                                   fused_plain512);
 static const ColiFfnKernel K512_PLAIN_T = AXPY_KERNEL("plain-in-out/avx512", 64, NULL, NULL, NULL,
-                                                      axpy_plain512);
+                                                      axpy_plain512, NULL);
 static const ColiFfnKernel K512_GPTQ = AXPY_KERNEL("gptq/avx512", 64, NULL, coli_ffn_prepare_quant,
-                                                   coli_ffn_quant_aux, axpy_gptq512);
+                                                   coli_ffn_quant_aux, axpy_gptq512, fused_gptq512);
 static const ColiFfnKernel K512_AWQ = AXPY_KERNEL("awq/avx512", 128, AWQ_POS128,
                                                   coli_ffn_prepare_quant, coli_ffn_quant_aux,
-                                                  axpy_awq512);
+                                                  axpy_awq512, fused_awq512);
 
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
