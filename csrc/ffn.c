@@ -364,6 +364,15 @@ static void split(int64_t n, int thread, int threads, int64_t *lo, int64_t *hi) 
     *hi = n * (thread + 1) / threads;
 }
 
+/* The sum of a DOT accumulator's lanes, as a tree: independent adds, not
+ * a chain of sixteen (which costs more than the whole row at T = 1). */
+static float lane_sum(const float *a) {
+    float s[COLI_FFN_DOT_LANES / 2];
+    for (int l = 0; l < COLI_FFN_DOT_LANES / 2; l++) s[l] = a[l] + a[l + COLI_FFN_DOT_LANES / 2];
+    for (int l = 0; l < COLI_FFN_DOT_LANES / 4; l++) s[l] += s[l + COLI_FFN_DOT_LANES / 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
 static void finish_panel(const Run *run, const MatJob *j, int64_t n0, int nr, const float *acc) {
     const ColiFfnKernel *k = j->k;
     int panel = k->panel;
@@ -372,9 +381,7 @@ static void finish_panel(const Run *run, const MatJob *j, int64_t n0, int nr, co
         for (int r = 0; r < nr; r++) {
             float v;
             if (k->layout == COLI_FFN_DOT) {
-                const float *a = acc + (t * COLI_FFN_DOT_ROWS + r) * COLI_FFN_DOT_LANES;
-                v = 0.0f;
-                for (int l = 0; l < COLI_FFN_DOT_LANES; l++) v += a[l];
+                v = lane_sum(acc + (t * COLI_FFN_DOT_ROWS + r) * COLI_FFN_DOT_LANES);
             } else {
                 v = acc[t * panel + (k->colpos ? k->colpos[r] : r)];
             }
@@ -403,11 +410,12 @@ static void run_panels(const Run *run, const MatJob *j, int64_t p0, int64_t p1, 
         if (k->layout == COLI_FFN_DOT && nr < COLI_FFN_DOT_ROWS)
             memset(tile + (int64_t)nr * k->kc, 0,
                    sizeof(float) * (size_t)((COLI_FFN_DOT_ROWS - nr) * k->kc));
-        for (int64_t k0 = 0; k0 < m->n_in; k0 += k->kc) {
+        /* A fused kernel takes whole rows at once (one stream per row for
+         * the prefetchers), or declines and the tile path runs. */
+        int fused = k->fused && tokens <= COLI_FFN_FUSED_TOKENS &&
+                    k->fused(m, k, n0, nr, 0, (int)m->n_in, x, ldx, tokens, acc, aux);
+        for (int64_t k0 = 0; !fused && k0 < m->n_in; k0 += k->kc) {
             int kc = (int)(m->n_in - k0 < k->kc ? m->n_in - k0 : k->kc);
-            if (k->fused && tokens <= COLI_FFN_FUSED_TOKENS &&
-                k->fused(m, k, n0, nr, k0, kc, x + k0, ldx, tokens, acc, aux))
-                continue;
             k->decode(m, k, n0, nr, k0, kc, tile, aux);
             if (k->layout == COLI_FFN_DOT)
                 run->ops->dot(tile, k->kc, (int)round_up(kc, COLI_FFN_KBLOCK), x + k0, ldx,

@@ -37,7 +37,8 @@ enum {
     COLI_FFN_AXPY_KC = 64,      /* AXPY: inputs per chunk (a multiple of 8: GPTQ's words) */
     COLI_FFN_MAX_PANEL = 128,   /* AXPY: outputs per panel at most */
     COLI_FFN_DOT_LANES = 16,    /* DOT: partial sums kept per (token, output) */
-    COLI_FFN_FUSED_TOKENS = 4   /* fused kernels take batches of at most this many tokens */
+    COLI_FFN_FUSED_TOKENS = 4,  /* fused kernels take batches of at most this many tokens */
+    COLI_FFN_PREFETCH = 512     /* fused kernels prefetch this many bytes ahead in each row */
 };
 
 enum { COLI_FFN_DOT = 0, COLI_FFN_AXPY = 1 };
@@ -69,10 +70,10 @@ typedef struct ColiFfnKernel ColiFfnKernel;
  * aux: what the kernel's prepare wrote for this panel. */
 typedef void (*ColiFfnDecodeFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
                                 int64_t k0, int kc, float *tile, const float *aux);
-/* Decodes and applies a chunk in registers, for at most
- * COLI_FFN_FUSED_TOKENS tokens (acc as the layout's micro-kernel's, x at
- * the chunk's first input); 0 when it declines the chunk (a partial panel
- * or block), which then takes the tile path. */
+/* Decodes and applies a panel's whole rows (k0 0, kc all inputs) in
+ * registers, for at most COLI_FFN_FUSED_TOKENS tokens (acc as the layout's
+ * micro-kernel's); 0 when it declines (a partial panel or block), and the
+ * panel takes the tile path. */
 typedef int (*ColiFfnFusedFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
                               int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
                               float *acc, const float *aux);

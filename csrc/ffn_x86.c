@@ -358,6 +358,8 @@ AVX512 static void dot_nibbles512(const ColiFfnMat *m, const ColiFfnKernel *k, i
             UNROLL for (int r = 0; r < ROWS; r++) tab[r] = nibble_table512(m, n0 + r, g);          \
             for (int stop = end < kc ? end : kc; j < stop; j += 32) {                       \
                 UNROLL for (int r = 0; r < ROWS; r++) {                                            \
+                    if (j % 128 == 0)                                                       \
+                        _mm_prefetch((const char *)src[r] + j / 2 + COLI_FFN_PREFETCH, _MM_HINT_T0); \
                     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src[r] + j / 2))); \
                     __m512 lo = _mm512_permutexvar_ps(v, tab[r]);                           \
                     __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab[r]);     \
@@ -483,6 +485,8 @@ AVX512 static void axpy_plain512(const ColiFfnMat *m, const ColiFfnKernel *k, in
             UNROLL for (int r = 0; r < ROWS; r++) sc[r] = _mm512_set1_ps(plain_scale(m, n0 + r, k0 + j)); \
             for (int stop = end < kc ? end : kc; j < stop; j += 16) {                       \
                 UNROLL for (int r = 0; r < ROWS; r++) {                                     \
+                    if (j * eb % 64 == 0)                                                   \
+                        _mm_prefetch((const char *)src[r] + j * eb + COLI_FFN_PREFETCH, _MM_HINT_T0); \
                     __m512 w = _mm512_mul_ps(plain16_512(f, src[r] + j * eb), sc[r]);       \
                     UNROLL for (int t = 0; t < TB; t++)                                     \
                         a[t][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + t * ldx + j), a[t][r]); \
