@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from typing import Any
 
 import ml_dtypes
@@ -38,6 +39,7 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 _FUSED = {None: lib.COLI_FFN_SEPARATE, CONCATENATED: lib.COLI_FFN_CONCATENATED,
           INTERLEAVED: lib.COLI_FFN_INTERLEAVED}
+_CODES = {_F32: lib.COLI_TENSOR_F32, _BF16: lib.COLI_TENSOR_BF16}
 _BIAS_FORMATS = {np.dtype(np.float32): lib.COLI_TENSOR_F32, np.dtype(np.float16): lib.COLI_TENSOR_F16,
                  _BF16: lib.COLI_TENSOR_BF16}
 
@@ -116,7 +118,9 @@ def _close_pools() -> None:
 
 
 def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
+    """Where a C-contiguous array's bytes start (cffi's buffer view is the
+    cheapest way to ask)."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(a)))
 
 
 def _fill_matrix(dst: Any, info: ExpertTensors, role: str, parts: dict[str, np.ndarray]) -> None:
@@ -157,6 +161,65 @@ def _fill_matrix(dst: Any, info: ExpertTensors, role: str, parts: dict[str, np.n
         dst.bias_bytes = bias.nbytes
 
 
+_POINTERS = (("view.data", ""), ("view.scales", "_scale"), ("zeros", "_zero"),
+             ("g_idx", "_g_idx"), ("bias", "_bias"))
+_EXPERT_SIZE = ffi.sizeof("ColiFfnExpert")
+
+
+class _Template:
+    """A layer's ColiFfnExpert with every field its experts share filled in
+    (formats, shapes, blocks, flags, sizes), and where each part's address
+    goes: all experts of a store's layer are stored alike, so a call only
+    copies the bytes and writes the addresses."""
+
+    def __init__(self, info: ExpertTensors, parts: dict[str, np.ndarray]) -> None:
+        expert = ffi.new("ColiFfnExpert *")
+        expert.fused = _FUSED[info.fused]
+        pointers: list[tuple[int, str]] = []
+        for role in ROLES:
+            if role == "up" and info.fused:
+                continue
+            _fill_matrix(getattr(expert, role), info, role, parts)
+            name = "gate_up" if role == "gate" and info.fused else role
+            for field, suffix in _POINTERS:
+                if name + suffix in parts:
+                    pointers.append((ffi.offsetof("ColiFfnExpert", role, *field.split(".")) // 8,
+                                     name + suffix))
+        self.bytes = np.frombuffer(ffi.buffer(expert), dtype=np.uint8).copy()
+        self.pointers = tuple(pointers)
+        self.activation = ffi.offsetof("ColiFfnExpert", "activation")
+        self.alpha = ffi.offsetof("ColiFfnExpert", "alpha")
+        self.limit = ffi.offsetof("ColiFfnExpert", "limit")
+        shape = info.shape("down")
+        assert shape is not None
+        self.hidden = shape[1] if info.transposed else shape[0]
+
+    def fill(self, parts: dict[str, np.ndarray], activation: int, alpha: float,
+             limit: float) -> np.ndarray:
+        buf = self.bytes.copy()
+        words = buf.view(np.uint64)
+        for index, name in self.pointers:
+            words[index] = _address(parts[name])
+        buf[self.activation:self.activation + 4].view(np.int32)[0] = activation
+        buf[self.alpha:self.alpha + 4].view(np.float32)[0] = alpha
+        buf[self.limit:self.limit + 4].view(np.float32)[0] = limit
+        return buf
+
+
+# Per lease class (one per store) and layer.
+_templates: "weakref.WeakKeyDictionary[type, dict[int, _Template]]" = weakref.WeakKeyDictionary()
+
+
+def _template(lease: Any, parts: dict[str, np.ndarray]) -> _Template:
+    per_layer = _templates.get(type(lease))
+    if per_layer is None:
+        per_layer = _templates.setdefault(type(lease), {})
+    found = per_layer.get(lease.layer)
+    if found is None:
+        found = per_layer[lease.layer] = _Template(lease.tensors, parts)
+    return found
+
+
 class _Operand:
     """A numpy array or torch tensor seen as rows of floats: address, row
     stride, dtype code and shape, checked."""
@@ -170,22 +233,20 @@ class _Operand:
                 raise ValueError(f"{what} is on {value.device}; the kernels run on CPU tensors")
             dtypes = {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
             code = dtypes.get(value.dtype)
-            dtype_name = str(value.dtype)
             shape, strides = tuple(value.shape), tuple(value.stride())
             self.address = int(value.data_ptr())
         elif isinstance(value, np.ndarray):
-            code = {_F32: lib.COLI_TENSOR_F32, _BF16: lib.COLI_TENSOR_BF16}.get(value.dtype)
-            dtype_name = str(value.dtype)
+            code = _CODES.get(value.dtype)
             shape = value.shape
             strides = tuple(s // value.itemsize if s % value.itemsize == 0 else -1
                             for s in value.strides)
             if writable and not value.flags.writeable:
                 raise ValueError(f"{what} is read-only")
-            self.address = _address(value)
+            self.address = int(value.__array_interface__["data"][0])  # rows may be strided
         else:
             raise TypeError(f"{what} must be a numpy array or a torch tensor, not {type(value).__name__}")
         if code is None:
-            raise TypeError(f"{what} is {dtype_name}; the kernels take float32 or bfloat16")
+            raise TypeError(f"{what} is {value.dtype}; the kernels take float32 or bfloat16")
         if len(shape) not in (1, 2) or shape[-1] != hidden:
             raise ValueError(f"{what} has shape {list(shape)}; expected (tokens, {hidden}) or ({hidden},)")
         if shape[0] == 0 or (len(shape) == 2 and shape[0] == 0):
@@ -230,10 +291,9 @@ def expert_ffn(lease: Any, x: Any, *, activation: str = "silu", out: Any = None,
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
-    info: ExpertTensors = lease.tensors
-    hidden_shape = info.shape("down")
-    assert hidden_shape is not None
-    hidden = hidden_shape[1] if info.transposed else hidden_shape[0]
+    parts = lease.parts
+    template = _template(lease, parts)
+    hidden = template.hidden
     xo = _Operand(x, "x", hidden, writable=False)
     if out is None:
         out = _new_like(xo)
@@ -253,15 +313,8 @@ def expert_ffn(lease: Any, x: Any, *, activation: str = "silu", out: Any = None,
     number = _isa_number(isa) if isa is not None else (
         _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
 
-    parts = lease.parts
-    expert = ffi.new("ColiFfnExpert *")
-    expert.fused = _FUSED[info.fused]
-    expert.activation = ACTIVATIONS.index(activation)
-    expert.alpha, expert.limit = alpha, limit
-    for role in ROLES:
-        if role == "up" and info.fused:
-            continue
-        _fill_matrix(getattr(expert, role), info, role, parts)
+    buf = template.fill(parts, ACTIVATIONS.index(activation), alpha, limit)
+    expert = ffi.from_buffer("ColiFfnExpert *", buf)
     call = ffi.new("ColiFfnCall *")
     call.x = ffi.cast("const void *", xo.address)
     call.x_format, call.x_stride = xo.code, xo.stride
@@ -271,7 +324,7 @@ def expert_ffn(lease: Any, x: Any, *, activation: str = "silu", out: Any = None,
     call.isa = number
     err = ffi.new("char[]", 512)
     rc = lib.coli_expert_ffn(expert, call, _pool(threads), err, 512)
-    del parts
+    del parts, buf
     if rc < 0:
         raise error_for(rc, f"expert ({lease.layer}, {lease.expert}): "
                             + ffi.string(err).decode(errors="replace"))

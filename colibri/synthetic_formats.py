@@ -3,10 +3,11 @@ benchmark.
 
 :func:`write_format_checkpoint` writes routed experts (no attention, no
 router) in one format and layout, from random values written straight in the
-format's own packing (every nibble and code occurs), with the config.json a
-loader needs. The packings follow the formats' definitions
-(docs/formats.md); the values mean nothing, which is all a kernel test
-needs: the reference is :func:`colibri.dequantize` of the same bytes.
+format's own packing (every 4-bit value and fp8 code occurs; random words
+are random nibbles, however a format orders them), with the config.json a
+loader needs. The values mean nothing, which is all a kernel test or
+benchmark needs: the reference is :func:`colibri.dequantize` of the same
+bytes.
 
 Formats (:data:`FORMATS`): ``bf16``, ``f16``, ``f32``, ``f8_e4m3``,
 ``f8_e5m2`` (Qwen-style names, one tensor per role, (out, in));
@@ -36,7 +37,6 @@ FORMATS: tuple[str, ...] = ("bf16", "f16", "f32", "f8_e4m3", "f8_e5m2", "fp8_blo
                             "llama4", "stacked", "mxfp4", "int4", "stacked_int4", "gptq", "gptq_v2",
                             "awq")
 _PLAIN = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def format_constraints(fmt: str) -> int:
@@ -48,26 +48,9 @@ def format_constraints(fmt: str) -> int:
     return 1
 
 
-def _words(nibbles: np.ndarray) -> np.ndarray:
-    """(..., 8) values 0..15 -> int32 words, value n in bits 4n..4n+3."""
-    u = np.zeros(nibbles.shape[:-1], np.uint32)
-    for n in range(8):
-        u |= nibbles[..., n].astype(np.uint32) << np.uint32(4 * n)
-    return u.view(np.int32)
-
-
-def _pack_rows(v: np.ndarray, order: tuple[int, ...] = tuple(range(8))) -> np.ndarray:
-    """(r, c) values -> (r, c / 8) words, nibble n of word k holding column 8k + order[n]."""
-    rows, cols = v.shape
-    return _words(v.reshape(rows, cols // 8, 8)[:, :, list(order)])
-
-
-def _pack_columns(v: np.ndarray) -> np.ndarray:
-    """(r, c) values -> (ceil(r / 8), c) words, eight down each column."""
-    rows, cols = v.shape
-    padded = np.zeros((-(-rows // 8) * 8, cols), v.dtype)
-    padded[:rows] = v
-    return _words(padded.reshape(-1, 8, cols).transpose(0, 2, 1))
+def _words(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random int32 words: eight uniform 4-bit values each, however packed."""
+    return rng.integers(0, 2**32, shape, dtype=np.uint32).view(np.int32)
 
 
 def _scales(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -87,7 +70,22 @@ def _fp8_codes(rng: np.random.Generator, shape: tuple[int, ...], e5m2: bool) -> 
 
 
 def _float_like(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    return (rng.standard_normal(shape) * 0.05).astype(dtype)
+    """Random values of magnitude 2^-8 to 2^-4, either sign, every mantissa,
+    written as bits (no float64 temporaries: benchmark experts are large)."""
+    dt = np.dtype(dtype)
+    if dt.itemsize == 4:
+        words: np.dtype[Any] = np.dtype(np.uint32)
+        mantissa, bias = 23, 127
+    elif dt == np.dtype(ml_dtypes.bfloat16):
+        words, mantissa, bias = np.dtype(np.uint16), 7, 127
+    else:  # float16
+        words, mantissa, bias = np.dtype(np.uint16), 10, 15
+    top = (1 << (8 * dt.itemsize)) - 1
+    raw = rng.integers(0, top, shape, endpoint=True, dtype=np.uint64).astype(words)
+    sign_and_mantissa = raw & words.type((top + 1) // 2 | ((1 << mantissa) - 1))
+    exponent = ((bias - 8 + (raw >> words.type(mantissa)) % 4).astype(words)
+                << words.type(mantissa))
+    return (sign_and_mantissa | exponent).view(dt)
 
 
 def write_format_checkpoint(path: str | os.PathLike[str], fmt: str, *, hidden: int,
@@ -155,13 +153,11 @@ def write_format_checkpoint(path: str | os.PathLike[str], fmt: str, *, hidden: i
             for role, (rows, cols) in per_role:
                 stack: dict[str, list[np.ndarray]] = {}
                 for e in range(experts):
-                    q = rng.integers(0, 16, (rows, cols))
-                    parts = {"weight_packed": _pack_rows(q),
+                    parts = {"weight_packed": _words(rng, (rows, cols // 8)),
                              "weight_scale": _scales(rng, (rows, cols // group), scale_dtype),
                              "weight_shape": np.array([rows, cols], np.int64)}
                     if not symmetric:
-                        parts["weight_zero_point"] = _pack_columns(
-                            rng.integers(0, 16, (rows, cols // group)))
+                        parts["weight_zero_point"] = _words(rng, (-(-rows // 8), cols // group))
                     if fmt == "int4":
                         for key, value in parts.items():
                             tensors[f"{base}.{e}.{role}_proj.{key}"] = value
@@ -180,16 +176,12 @@ def write_format_checkpoint(path: str | os.PathLike[str], fmt: str, *, hidden: i
                 for role, (o, i) in roles:
                     name = f"{base}.{e}.{role}_proj."
                     groups = -(-i // group) if group > 0 else 1
-                    q = rng.integers(0, 16, (i, o))
-                    z = rng.integers(1 if fmt == "gptq_v2" else 0, 16, (groups, o))
                     tensors[name + "scales"] = _scales(rng, (groups, o), scale_dtype)
+                    tensors[name + "qzeros"] = _words(rng, (groups, o // 8))
                     if fmt == "awq":
-                        tensors[name + "qweight"] = _pack_rows(q, _AWQ_ORDER)
-                        tensors[name + "qzeros"] = _pack_rows(z, _AWQ_ORDER)
+                        tensors[name + "qweight"] = _words(rng, (i, o // 8))
                         continue
-                    words = _pack_columns(q)
-                    tensors[name + "qweight"] = words
-                    tensors[name + "qzeros"] = _pack_rows(z)
+                    tensors[name + "qweight"] = _words(rng, (i // 8, o))
                     rows_group = np.arange(i) // (group if group > 0 else i)
                     if g_idx == "act_order":
                         tensors[name + "g_idx"] = rng.permutation(rows_group).astype(np.int32)

@@ -555,12 +555,15 @@ AVX512 static int fused_gptq512(const ColiFfnMat *m, const ColiFfnKernel *k, int
                                 float *acc, const float *aux) {
     if (nr != k->panel || k->panel != 64) return 0;
     int64_t groups[COLI_FFN_AXPY_KC];
-    coli_ffn_chunk_groups(m, k0, kc, groups);
-    switch (tokens) {
-    case 1: fused_gptq512_1(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
-    case 2: fused_gptq512_2(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
-    case 3: fused_gptq512_3(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
-    default: fused_gptq512_4(m, n0, k0, kc, x, ldx, acc, aux, groups); break;
+    for (int j = 0; j < kc; j += COLI_FFN_AXPY_KC) {  /* the groups of a chunk at a time */
+        int n = kc - j < COLI_FFN_AXPY_KC ? kc - j : COLI_FFN_AXPY_KC;
+        coli_ffn_chunk_groups(m, k0 + j, n, groups);
+        switch (tokens) {
+        case 1: fused_gptq512_1(m, n0, k0 + j, n, x + j, ldx, acc, aux, groups); break;
+        case 2: fused_gptq512_2(m, n0, k0 + j, n, x + j, ldx, acc, aux, groups); break;
+        case 3: fused_gptq512_3(m, n0, k0 + j, n, x + j, ldx, acc, aux, groups); break;
+        default: fused_gptq512_4(m, n0, k0 + j, n, x + j, ldx, acc, aux, groups); break;
+        }
     }
     return 1;
 }
@@ -598,9 +601,12 @@ AVX512 static int fused_awq512(const ColiFfnMat *m, const ColiFfnKernel *k, int6
                                float *acc, const float *aux) {
     if (nr != k->panel || k->panel != 128 || tokens > 2) return 0;
     int64_t groups[COLI_FFN_AXPY_KC];
-    coli_ffn_chunk_groups(m, k0, kc, groups);
-    if (tokens == 1) fused_awq512_1(m, n0, k0, kc, x, ldx, acc, aux, groups);
-    else fused_awq512_2(m, n0, k0, kc, x, ldx, acc, aux, groups);
+    for (int j = 0; j < kc; j += COLI_FFN_AXPY_KC) {
+        int n = kc - j < COLI_FFN_AXPY_KC ? kc - j : COLI_FFN_AXPY_KC;
+        coli_ffn_chunk_groups(m, k0 + j, n, groups);
+        if (tokens == 1) fused_awq512_1(m, n0, k0 + j, n, x + j, ldx, acc, aux, groups);
+        else fused_awq512_2(m, n0, k0 + j, n, x + j, ldx, acc, aux, groups);
+    }
     return 1;
 }
 
