@@ -663,6 +663,225 @@ AVX512 static void axpy_awq512(const ColiFfnMat *m, const ColiFfnKernel *k, int6
     }
 }
 
+/* ------------------------------------------------------------ AVX2 decoders */
+
+/* A 16-entry table in two vectors (entries 0-7, 8-15), looked up by the low
+ * four bits of each lane: two permutes and a blend on bit 3 (moved to the
+ * sign by shift_to_sign). */
+typedef struct {
+    __m256 lo, hi;
+} Table16;
+
+AVX2 INLINE __m256 lookup16(Table16 t, __m256i index, int shift_to_sign) {
+    __m256 a = _mm256_permutevar8x32_ps(t.lo, index), b = _mm256_permutevar8x32_ps(t.hi, index);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_sll_epi32(index, _mm_cvtsi32_si128(shift_to_sign))));
+}
+
+/* int4's (q - zero) * scale or MXFP4's e2m1 * 2^(e - 127) for q = 0..15. */
+AVX2 INLINE Table16 nibble_table256(const ColiFfnMat *m, int64_t o, int64_t g) {
+    static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    Table16 t;
+    if (m->format == COLI_TENSOR_FP4_NATIVE_BLOCK) {
+        int e = m->scales[o * m->groups + g];
+        if (e == 255) {  /* ldexp's answers: inf, and 0 for 0 */
+            float v[16];
+            for (int i = 0; i < 16; i++) v[i] = ldexpf(E2M1[i], 128);
+            t.lo = _mm256_loadu_ps(v);
+            t.hi = _mm256_loadu_ps(v + 8);
+            return t;
+        }
+        /* 2^(e - 127) exactly: a normal float's exponent bits, or 2^-127's. */
+        __m256 p = _mm256_castsi256_ps(_mm256_set1_epi32(e ? e << 23 : 0x00400000));
+        t.lo = _mm256_mul_ps(_mm256_loadu_ps(E2M1), p);
+        t.hi = _mm256_mul_ps(_mm256_loadu_ps(E2M1 + 8), p);
+        return t;
+    }
+    __m256 z = _mm256_set1_ps((float)coli_ffn_zero_at(m, o, g));
+    __m256 sc = _mm256_set1_ps(coli_ffn_scale_at(m, o * m->groups + g));
+    t.lo = _mm256_mul_ps(_mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), z), sc);
+    t.hi = _mm256_mul_ps(_mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), z), sc);
+    return t;
+}
+
+/* Eight bytes' low nibbles (even inputs) and high nibbles (odd inputs). */
+AVX2 INLINE void nibbles256(const uint8_t *p, Table16 t, __m256 *even, __m256 *odd) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *even = lookup16(t, v, 28);
+    *odd = lookup16(t, _mm256_srli_epi32(v, 4), 28);
+}
+
+AVX2 static void dot_nibbles256(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                int64_t k0, int kc, float *tile, const float *aux) {
+    (void)aux;
+    int full = m->group % COLI_FFN_KBLOCK == 0 ? kc & ~(COLI_FFN_KBLOCK - 1) : 0;
+    int64_t g0 = k0 / m->group;
+    int first_end = (int)((g0 + 1) * m->group - k0);
+    for (int r = 0; r < nr; r++) {
+        int64_t o = n0 + r;
+        const uint8_t *src = m->data + o * (m->n_in / 2) + k0 / 2;
+        float *row = tile + (int64_t)r * k->kc;
+        int64_t g = g0;
+        for (int j = 0, end = first_end; j < full; g++, end += (int)m->group) {
+            Table16 t = nibble_table256(m, o, g);
+            for (int stop = end < full ? end : full; j < stop; j += 16) {
+                __m256 even, odd;
+                nibbles256(src + j / 2, t, &even, &odd);
+                _mm256_storeu_ps(row + j, even);
+                _mm256_storeu_ps(row + j + 8, odd);
+            }
+        }
+        dot_tail(m, k, o, k0, full, kc, row);
+    }
+}
+
+#define FUSED_NIBBLES256(TB)                                                                \
+    AVX2 static void fused_nibbles256_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                           const float *x, int64_t ldx, float *acc) {       \
+        __m256 a[TB][ROWS];                                                                 \
+        const uint8_t *src[ROWS];                                                           \
+        UNROLL for (int r = 0; r < ROWS; r++) src[r] = m->data + (n0 + r) * (m->n_in / 2) + k0 / 2; \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int r = 0; r < ROWS; r++) a[t][r] = _mm256_loadu_ps(acc + (t * ROWS + r) * LANES); \
+        int64_t g = k0 / m->group;                                                          \
+        for (int j = 0, end = (int)((g + 1) * m->group - k0); j < kc; g++, end += (int)m->group) { \
+            Table16 tab[ROWS];                                                              \
+            UNROLL for (int r = 0; r < ROWS; r++) tab[r] = nibble_table256(m, n0 + r, g);   \
+            for (int stop = end < kc ? end : kc; j < stop; j += 16) {                       \
+                UNROLL for (int r = 0; r < ROWS; r++) {                                     \
+                    if (j % 128 == 0)                                                       \
+                        _mm_prefetch((const char *)src[r] + j / 2 + COLI_FFN_PREFETCH, _MM_HINT_T0); \
+                    __m256 even, odd;                                                       \
+                    nibbles256(src[r] + j / 2, tab[r], &even, &odd);                        \
+                    UNROLL for (int t = 0; t < TB; t++) {                                   \
+                        a[t][r] = _mm256_fmadd_ps(even, _mm256_loadu_ps(x + t * ldx + j), a[t][r]); \
+                        a[t][r] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(x + t * ldx + j + 8), a[t][r]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        UNROLL for (int t = 0; t < TB; t++)                                                 \
+            UNROLL for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(acc + (t * ROWS + r) * LANES, a[t][r]); \
+    }
+FUSED_NIBBLES256(1)
+FUSED_NIBBLES256(2)
+
+AVX2 static int fused_nibbles256(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                                 int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
+                                 float *acc, const float *aux) {
+    (void)k;
+    (void)aux;
+    if (nr != ROWS || kc % COLI_FFN_KBLOCK || m->group % COLI_FFN_KBLOCK || tokens > 2) return 0;
+    if (tokens == 1) fused_nibbles256_1(m, n0, k0, kc, x, ldx, acc);
+    else fused_nibbles256_2(m, n0, k0, kc, x, ldx, acc);
+    return 1;
+}
+
+/* 8 plain elements (F32, F16, BF16, e4m3, e5m2) at src as floats. */
+AVX2 INLINE __m256 plain8_256(ColiTensorFormat f, const uint8_t *src) {
+    switch (f) {
+    case COLI_TENSOR_F32: return _mm256_loadu_ps((const float *)src);
+    case COLI_TENSOR_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    case COLI_TENSOR_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+    case COLI_TENSOR_F8_E5M2:
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)src)), 8));
+    default: {  /* e4m3, as plain16_512 */
+        __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)src));
+        __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(mag, 7));
+        __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+        __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+        return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), nan);
+    }
+    }
+}
+
+AVX2 static void dot_plain256(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                              int64_t k0, int kc, float *tile, const float *aux) {
+    (void)aux;
+    int eb = elem_bytes(m->format), full = plain_vectors_ok(m, 8) ? kc & ~7 : 0;
+    ColiTensorFormat f = m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? COLI_TENSOR_F8_E4M3 : m->format;
+    for (int r = 0; r < nr; r++) {
+        int64_t o = n0 + r;
+        const uint8_t *src = m->data + (o * m->cols + k0) * eb;
+        float *row = tile + (int64_t)r * k->kc;
+        float scale = plain_scale(m, o, k0);
+        for (int j = 0; j < full; j += 8) {
+            if (m->format == COLI_TENSOR_FP8_E4M3_BLOCK && (k0 + j) % m->block_columns == 0)
+                scale = plain_scale(m, o, k0 + j);
+            _mm256_storeu_ps(row + j, _mm256_mul_ps(plain8_256(f, src + j * eb), _mm256_set1_ps(scale)));
+        }
+        dot_tail(m, k, o, k0, full, kc, row);
+    }
+}
+
+AVX2 static void axpy_plain256(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                               int64_t k0, int kc, float *tile, const float *aux) {
+    int panel = k->panel;
+    if (nr < panel || !plain_vectors_ok(m, 8)) {
+        coli_ffn_decode_scalar(m, k, n0, nr, k0, kc, tile, aux);
+        return;
+    }
+    int eb = elem_bytes(m->format);
+    ColiTensorFormat f = m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? COLI_TENSOR_F8_E4M3 : m->format;
+    for (int j = 0; j < kc; j++) {
+        const uint8_t *src = m->data + ((k0 + j) * m->cols + n0) * eb;
+        for (int c = 0; c < panel; c += 8)
+            _mm256_storeu_ps(tile + (int64_t)j * panel + c,
+                             _mm256_mul_ps(plain8_256(f, src + c * eb),
+                                           _mm256_set1_ps(plain_scale(m, k0 + j, n0 + c))));
+    }
+}
+
+/* GPTQ and AWQ as their AVX-512 decoders, eight lanes. */
+AVX2 static void axpy_gptq256(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                              int64_t k0, int kc, float *tile, const float *aux) {
+    int panel = k->panel;
+    if (nr < panel) {
+        coli_ffn_decode_scalar(m, k, n0, nr, k0, kc, tile, aux);
+        return;
+    }
+    const __m256i low = _mm256_set1_epi32(0xf);
+    int64_t groups[COLI_FFN_AXPY_KC];
+    coli_ffn_chunk_groups(m, k0, kc, groups);
+    for (int j8 = 0; j8 < kc; j8 += 8) {
+        const uint8_t *src = m->data + (((k0 + j8) / 8) * m->n_out + n0) * 4;
+        for (int c = 0; c < panel; c += 8) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(src + 4 * c));
+            UNROLL for (int j = 0; j < 8; j++) {
+                const float *s = aux + 2 * panel * groups[j8 + j];
+                __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * j), low));
+                q = _mm256_mul_ps(_mm256_sub_ps(q, _mm256_loadu_ps(s + panel + c)), _mm256_loadu_ps(s + c));
+                _mm256_storeu_ps(tile + (int64_t)(j8 + j) * panel + c, q);
+            }
+        }
+    }
+}
+
+AVX2 static void axpy_awq256(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
+                             int64_t k0, int kc, float *tile, const float *aux) {
+    int panel = k->panel;
+    if (nr < panel) {
+        coli_ffn_decode_scalar(m, k, n0, nr, k0, kc, tile, aux);
+        return;
+    }
+    const __m256i low = _mm256_set1_epi32(0xf);
+    int64_t groups[COLI_FFN_AXPY_KC];
+    coli_ffn_chunk_groups(m, k0, kc, groups);
+    for (int j = 0; j < kc; j++) {
+        const float *s = aux + 2 * panel * groups[j];
+        __m256i w = _mm256_loadu_si256((const __m256i *)(m->data + ((k0 + j) * (m->n_out / 8) + n0 / 8) * 4));
+        UNROLL for (int n = 0; n < 8; n++) {
+            __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * n), low));
+            q = _mm256_mul_ps(_mm256_sub_ps(q, _mm256_loadu_ps(s + panel + 8 * n)), _mm256_loadu_ps(s + 8 * n));
+            _mm256_storeu_ps(tile + (int64_t)j * panel + 8 * n, q);
+        }
+    }
+}
+
 /* ------------------------------------------------------------ kernel tables */
 
 #define DOT_KERNEL(NAME, KPOS, DECODE, FUSED) \
@@ -703,12 +922,33 @@ const ColiFfnKernel *coli_ffn_kernel_avx512(ColiTensorFormat format, int in_out)
     }
 }
 
+static const ColiFfnKernel K256_INT4 = DOT_KERNEL("int4/avx2", EVEN_ODD16, dot_nibbles256,
+                                                  fused_nibbles256);
+static const ColiFfnKernel K256_MXFP4 = DOT_KERNEL("mxfp4/avx2", EVEN_ODD16, dot_nibbles256,
+                                                   fused_nibbles256);
+static const ColiFfnKernel K256_PLAIN = DOT_KERNEL("plain/avx2", NULL, dot_plain256, NULL);
+static const ColiFfnKernel K256_PLAIN_T = AXPY_KERNEL("plain-in-out/avx2", 64, NULL, NULL, NULL,
+                                                      axpy_plain256, NULL);
+static const ColiFfnKernel K256_GPTQ = AXPY_KERNEL("gptq/avx2", 64, NULL, coli_ffn_prepare_quant,
+                                                   coli_ffn_quant_aux, axpy_gptq256, NULL);
+static const ColiFfnKernel K256_AWQ = AXPY_KERNEL("awq/avx2", 64, AWQ_POS64, coli_ffn_prepare_quant,
+                                                  coli_ffn_quant_aux, axpy_awq256, NULL);
+
 const ColiFfnKernel *coli_ffn_kernel_avx2(ColiTensorFormat format, int in_out) {
-    (void)format;
-    (void)in_out;
-    (void)EVEN_ODD16;
-    (void)AWQ_POS64;
-    return NULL;
+    pthread_once(&tables_once, awq_positions);
+    switch (format) {
+    case COLI_TENSOR_F32:
+    case COLI_TENSOR_F16:
+    case COLI_TENSOR_BF16:
+    case COLI_TENSOR_F8_E4M3:
+    case COLI_TENSOR_F8_E5M2:
+    case COLI_TENSOR_FP8_E4M3_BLOCK: return in_out ? &K256_PLAIN_T : &K256_PLAIN;
+    case COLI_TENSOR_FP4_NATIVE_BLOCK: return in_out ? NULL : &K256_MXFP4;
+    case COLI_TENSOR_INT4_BLOCK: return in_out ? NULL : &K256_INT4;
+    case COLI_TENSOR_INT4_GPTQ: return in_out ? &K256_GPTQ : NULL;
+    case COLI_TENSOR_INT4_AWQ: return in_out ? &K256_AWQ : NULL;
+    default: return NULL;
+    }
 }
 
 #endif /* x86 */
