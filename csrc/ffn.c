@@ -210,13 +210,18 @@ static int check_quant(ColiFfnMat *m, const ColiFfnMatrix *src, const char *what
             return coli_fail(err, err_len, COLI_EINVAL, "%s: a g_idx needs GPTQ and one group per "
                              "input (%zu for %lld inputs)", what, src->g_idx_count,
                              (long long)m->n_in);
+        int sorted = 1;
         for (int64_t k = 0; k < m->n_in; k++) {
             int64_t g = coli_ffn_group_of(m, k);
             if (g < 0 || g >= m->groups)
                 return coli_fail(err, err_len, COLI_EINVAL, "%s: g_idx[%lld] = %lld, but there "
                                  "are %lld groups", what, (long long)k, (long long)g,
                                  (long long)m->groups);
+            sorted &= g == k / m->group;
         }
+        /* A g_idx that says what input / group says (no act order) is
+         * dropped: kernels then know groups are runs of inputs. */
+        if (sorted) m->g_idx = NULL;
     }
     return COLI_OK;
 }

@@ -550,10 +550,114 @@ FUSED_GPTQ512(2)
 FUSED_GPTQ512(3)
 FUSED_GPTQ512(4)
 
+/* GPTQ without act order, in registers: a run of inputs sharing a group
+ * adds q * x into partial sums, which take the group's scale and zero point
+ * once at the end of the run: sum (q - z) s x = s (sum q x - z sum x). */
+#define GROUPED_GPTQ512(TB)                                                                 \
+    AVX512 static void grouped_gptq512_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                            const float *x, int64_t ldx, float *acc,        \
+                                            const float *aux) {                             \
+        const __m512i low = _mm512_set1_epi32(0xf);                                         \
+        int64_t g = k0 / m->group;                                                          \
+        for (int j = 0, end = (int)((g + 1) * m->group - k0); j < kc; g++, end += (int)m->group) { \
+            __m512 p[TB][4];                                                                \
+            float xs[TB];                                                                   \
+            UNROLL for (int t = 0; t < TB; t++) {                                           \
+                xs[t] = 0.0f;                                                               \
+                UNROLL for (int c = 0; c < 4; c++) p[t][c] = _mm512_setzero_ps();           \
+            }                                                                               \
+            for (int stop = end < kc ? end : kc; j < stop; j += 8) {                        \
+                const uint8_t *src = m->data + (((k0 + j) / 8) * m->n_out + n0) * 4;        \
+                _mm_prefetch((const char *)src + 4 * m->n_out * 4, _MM_HINT_T0);            \
+                _mm_prefetch((const char *)src + 4 * m->n_out * 4 + 128, _MM_HINT_T0);      \
+                __m512i w[4];                                                               \
+                UNROLL for (int c = 0; c < 4; c++) w[c] = _mm512_loadu_si512(src + 64 * c); \
+                UNROLL for (int i = 0; i < 8; i++) {                                        \
+                    __m512 xv[TB];                                                          \
+                    UNROLL for (int t = 0; t < TB; t++) {                                   \
+                        xs[t] += x[t * ldx + j + i];                                        \
+                        xv[t] = _mm512_set1_ps(x[t * ldx + j + i]);                         \
+                    }                                                                       \
+                    UNROLL for (int c = 0; c < 4; c++) {                                    \
+                        __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[c], 4 * i), low)); \
+                        UNROLL for (int t = 0; t < TB; t++) p[t][c] = _mm512_fmadd_ps(q, xv[t], p[t][c]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+            const float *s = aux + 128 * g;                                                 \
+            UNROLL for (int c = 0; c < 4; c++) {                                            \
+                __m512 sc = _mm512_loadu_ps(s + 16 * c);                                    \
+                __m512 zs = _mm512_mul_ps(_mm512_loadu_ps(s + 64 + 16 * c), sc);            \
+                UNROLL for (int t = 0; t < TB; t++) {                                       \
+                    float *a = acc + t * 64 + 16 * c;                                       \
+                    __m512 v = _mm512_fmadd_ps(p[t][c], sc, _mm512_loadu_ps(a));            \
+                    _mm512_storeu_ps(a, _mm512_fnmadd_ps(zs, _mm512_set1_ps(xs[t]), v));    \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+GROUPED_GPTQ512(1)
+GROUPED_GPTQ512(2)
+GROUPED_GPTQ512(3)
+GROUPED_GPTQ512(4)
+
+/* AWQ the same way, an input row (16 words, 128 outputs) at a time, for
+ * one or two tokens. */
+#define GROUPED_AWQ512(TB)                                                                  \
+    AVX512 static void grouped_awq512_##TB(const ColiFfnMat *m, int64_t n0, int64_t k0, int kc, \
+                                           const float *x, int64_t ldx, float *acc,         \
+                                           const float *aux) {                              \
+        const __m512i low = _mm512_set1_epi32(0xf);                                         \
+        int64_t g = k0 / m->group, row = m->n_out / 2;                                      \
+        for (int j = 0, end = (int)((g + 1) * m->group - k0); j < kc; g++, end += (int)m->group) { \
+            __m512 p[TB][8];                                                                \
+            float xs[TB];                                                                   \
+            UNROLL for (int t = 0; t < TB; t++) {                                           \
+                xs[t] = 0.0f;                                                               \
+                UNROLL for (int n = 0; n < 8; n++) p[t][n] = _mm512_setzero_ps();           \
+            }                                                                               \
+            for (int stop = end < kc ? end : kc; j < stop; j++) {                           \
+                const uint8_t *src = m->data + (k0 + j) * row + n0 / 2;                     \
+                _mm_prefetch((const char *)src + 8 * row, _MM_HINT_T0);                     \
+                __m512i w = _mm512_loadu_si512(src);                                        \
+                __m512 xv[TB];                                                              \
+                UNROLL for (int t = 0; t < TB; t++) {                                       \
+                    xs[t] += x[t * ldx + j];                                                \
+                    xv[t] = _mm512_set1_ps(x[t * ldx + j]);                                 \
+                }                                                                           \
+                UNROLL for (int n = 0; n < 8; n++) {                                        \
+                    __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 4 * n), low)); \
+                    UNROLL for (int t = 0; t < TB; t++) p[t][n] = _mm512_fmadd_ps(q, xv[t], p[t][n]); \
+                }                                                                           \
+            }                                                                               \
+            const float *s = aux + 256 * g;                                                 \
+            UNROLL for (int n = 0; n < 8; n++) {                                            \
+                __m512 sc = _mm512_loadu_ps(s + 16 * n);                                    \
+                __m512 zs = _mm512_mul_ps(_mm512_loadu_ps(s + 128 + 16 * n), sc);           \
+                UNROLL for (int t = 0; t < TB; t++) {                                       \
+                    float *a = acc + t * 128 + 16 * n;                                      \
+                    __m512 v = _mm512_fmadd_ps(p[t][n], sc, _mm512_loadu_ps(a));            \
+                    _mm512_storeu_ps(a, _mm512_fnmadd_ps(zs, _mm512_set1_ps(xs[t]), v));    \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+GROUPED_AWQ512(1)
+GROUPED_AWQ512(2)
+
 AVX512 static int fused_gptq512(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
                                 int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
                                 float *acc, const float *aux) {
     if (nr != k->panel || k->panel != 64) return 0;
+    if (!m->g_idx && m->group % 8 == 0) {
+        switch (tokens) {
+        case 1: grouped_gptq512_1(m, n0, k0, kc, x, ldx, acc, aux); break;
+        case 2: grouped_gptq512_2(m, n0, k0, kc, x, ldx, acc, aux); break;
+        case 3: grouped_gptq512_3(m, n0, k0, kc, x, ldx, acc, aux); break;
+        default: grouped_gptq512_4(m, n0, k0, kc, x, ldx, acc, aux); break;
+        }
+        return 1;
+    }
     int64_t groups[COLI_FFN_AXPY_KC];
     for (int j = 0; j < kc; j += COLI_FFN_AXPY_KC) {  /* the groups of a chunk at a time */
         int n = kc - j < COLI_FFN_AXPY_KC ? kc - j : COLI_FFN_AXPY_KC;
@@ -600,6 +704,9 @@ AVX512 static int fused_awq512(const ColiFfnMat *m, const ColiFfnKernel *k, int6
                                int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
                                float *acc, const float *aux) {
     if (nr != k->panel || k->panel != 128 || tokens > 2) return 0;
+    if (tokens == 1) grouped_awq512_1(m, n0, k0, kc, x, ldx, acc, aux);
+    else grouped_awq512_2(m, n0, k0, kc, x, ldx, acc, aux);
+    return 1;
     int64_t groups[COLI_FFN_AXPY_KC];
     for (int j = 0; j < kc; j += COLI_FFN_AXPY_KC) {
         int n = kc - j < COLI_FFN_AXPY_KC ? kc - j : COLI_FFN_AXPY_KC;
