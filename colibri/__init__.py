@@ -19,6 +19,7 @@ from colibri.errors import (
     WaitTimeoutError,
 )
 from colibri.dequant import dequantize
+from colibri.kernels import expert_ffn
 from colibri.layouts import Layout, StackedLayout
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
@@ -40,6 +41,7 @@ __all__ = [
     "Layout",
     "StackedLayout",
     "dequantize",
+    "expert_ffn",
     "Pilot",
     "PilotReport",
     "Trace",
