@@ -151,20 +151,20 @@ int coli_ffn_zero(const ColiFfnMat *m, int64_t n, int64_t g);
 /* Scale number i as float, and the zero point as coli_ffn_zero, inline so
  * that SIMD code calls no function per group. */
 static inline float coli_ffn_scale_at(const ColiFfnMat *m, int64_t i) {
-    uint16_t h;
-    float f;
-    switch (m->scale_format) {
-    case COLI_SCALE_F32:
-        memcpy(&f, m->scales + 4 * i, sizeof f);
-        return f;
-    case COLI_SCALE_BF16: {
-        memcpy(&h, m->scales + 2 * i, sizeof h);
-        uint32_t u = (uint32_t)h << 16;
+    if (m->scale_format == COLI_SCALE_F32 || m->scale_format == COLI_SCALE_BF16) {
+        uint32_t u = 0;
+        float f;
+        if (m->scale_format == COLI_SCALE_F32) {
+            memcpy(&u, m->scales + 4 * i, sizeof u);
+        } else {
+            uint16_t h;
+            memcpy(&h, m->scales + 2 * i, sizeof h);
+            u = (uint32_t)h << 16;
+        }
         memcpy(&f, &u, sizeof f);
         return f;
     }
-    default: return coli_ffn_scale(m, i);
-    }
+    return coli_ffn_scale(m, i);
 }
 
 static inline int coli_ffn_nibble_at(const uint8_t *p, int64_t word, int n) {

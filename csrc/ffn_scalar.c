@@ -56,14 +56,8 @@ float coli_e5m2_to_f32(uint8_t b) { return coli_f16_to_f32((uint16_t)(b << 8)); 
 float coli_ffn_scale(const ColiFfnMat *m, int64_t i) {
     uint16_t h;
     switch (m->scale_format) {
-    case COLI_SCALE_F32: {
-        float f;
-        memcpy(&f, m->scales + 4 * i, sizeof f);
-        return f;
-    }
-    case COLI_SCALE_BF16:
-        memcpy(&h, m->scales + 2 * i, sizeof h);
-        return coli_bf16_to_f32(h);
+    case COLI_SCALE_F32:
+    case COLI_SCALE_BF16: return coli_ffn_scale_at(m, i);
     case COLI_SCALE_F16:
         memcpy(&h, m->scales + 2 * i, sizeof h);
         return coli_f16_to_f32(h);
