@@ -27,7 +27,8 @@ import numpy as np
 
 from colibri._ffi import ffi, lib
 from colibri.errors import ColibriError, error_for
-from colibri.layouts import CONCATENATED, GPTQ, INTERLEAVED, ROLES, ExpertTensors
+from colibri.checkpoint.experts import CONCATENATED, INTERLEAVED, ROLES, ExpertTensors
+from colibri.formats import GPTQ
 
 __all__ = ["expert_ffn", "ACTIVATIONS", "ISAS", "available_isas", "default_isa", "set_isa",
            "kernel_name"]

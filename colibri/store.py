@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 
-from colibri import _dtypes
 from colibri._ffi import LeaseBase, Leaser, Tenancies, ffi, lib
 from colibri._tenancy import Parts, TenancyBuilder, defer
 from colibri.errors import (
@@ -30,8 +29,10 @@ from colibri.errors import (
     UnknownExpertError,
     error_for,
 )
-from colibri.layouts import ROLES, AnyLayout, ExpertTensors, ModelExperts, scan_model
-from colibri.safetensors_reader import ModelSource
+from colibri.checkpoint.experts import ROLES, SOURCE_FIELDS, ExpertTensors, ModelExperts, TensorSource
+from colibri.checkpoint.naming import AnyLayout
+from colibri.checkpoint.scan import scan_model
+from colibri.checkpoint.safetensors import ModelSource
 from colibri.stats import StoreStats
 from colibri import usage as _usage
 
@@ -502,16 +503,7 @@ def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
     """How to view one layer's slot bytes: (dtype, shape) of each part as
     stored, in coli_lru_expert_parts's order (gate, up, down, their scales,
     then the extra parts; None where absent). All experts of a layer agree."""
-    ex = model.expert(layer, next(iter(model.experts[layer])))
-    parts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
-    for info in ex.part_infos():
-        if info is None:
-            parts.append(None)
-            continue
-        dt = _dtypes.lookup(info.dtype)
-        assert dt is not None and dt.numpy is not None
-        parts.append((np.dtype(dt.numpy), tuple(info.shape)))
-    return tuple(parts)
+    return model.expert(layer, next(iter(model.experts[layer]))).part_views()
 
 
 def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
@@ -528,28 +520,11 @@ def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
     return locate
 
 
-def _fill_source(dst: Any, ex: ExpertTensors, role: str) -> None:
-    w = ex.weight(role)
-    if w is None:
-        return  # up of a fused gate_up: left zeroed
-    dst.file = w.file
-    dst.offset = w.offset
-    dst.nbytes = w.nbytes
-    dst.format = ex.coli_format(role)
-    shape = ex.shape(role)
-    assert shape is not None
-    dst.rows, dst.columns = shape
-    scale = ex.scale(role)
-    if scale is None:
-        dst.scale_format = _dtypes.COLI_SCALE_NONE
-        return
-    dst.scale_format = ex.coli_scale_format(role)
-    dst.scale_file = scale.file
-    dst.scale_offset = scale.offset
-    dst.scale_nbytes = scale.nbytes
-    block = ex.block_shape(role)
-    assert block is not None
-    dst.block_rows, dst.block_columns = block
+def _fill_source(dst: Any, source: TensorSource | None) -> None:
+    """Copies a role's record into its ColiTensorSource (left zeroed for None)."""
+    if source is not None:
+        for name, value in zip(SOURCE_FIELDS, source):
+            setattr(dst, name, value)
 
 
 def _nanoseconds(seconds: float | None) -> int:
@@ -585,7 +560,7 @@ def _create_handle(model: ModelExperts, o: StoreOptions) -> Any:
             continue
         ex = model.expert(layer, expert)
         for role in ROLES:
-            _fill_source(getattr(src, role), ex, role)
+            _fill_source(getattr(src, role), ex.source(role))
         if ex.fused:
             src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
         if ex.extras:

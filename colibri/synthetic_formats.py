@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,133 @@ def _float_like(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) ->
     return (sign_and_mantissa | exponent).view(dt)
 
 
+@dataclass
+class _Spec:
+    """What one call writes: the format, the widths and the options."""
+
+    fmt: str
+    hidden: int
+    inter: int
+    experts: int
+    group: int
+    scale_dtype: Any
+    symmetric: bool
+    g_idx: str | None
+    block: tuple[int, int]
+
+    def roles(self) -> tuple[tuple[str, tuple[int, int]], ...]:
+        """(role, (outputs, inputs)) of the three matrices."""
+        H, I = self.hidden, self.inter
+        return (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
+
+
+def _plain(spec: _Spec, rng: np.random.Generator, base: str, out: dict[str, np.ndarray]) -> None:
+    """Floats and FP8, one tensor per role and expert, (out, in)."""
+    for e in range(spec.experts):
+        for role, shape in spec.roles():
+            name = f"{base}.{e}.{role}_proj.weight"
+            if spec.fmt in _PLAIN:
+                out[name] = _float_like(rng, shape, _PLAIN[spec.fmt])
+                continue
+            codes = _fp8_codes(rng, shape, spec.fmt == "f8_e5m2")
+            out[name] = codes.view(ml_dtypes.float8_e5m2 if spec.fmt == "f8_e5m2"
+                                   else ml_dtypes.float8_e4m3fn)
+            if spec.fmt == "fp8_block":
+                grid = (-(-shape[0] // spec.block[0]), -(-shape[1] // spec.block[1]))
+                out[name + "_scale_inv"] = _scales(rng, grid, np.float32) * 0.05
+
+
+def _stacked_float(spec: _Spec, rng: np.random.Generator, layer: int,
+                   out: dict[str, np.ndarray]) -> None:
+    """gpt-oss (interleaved, (in, out), biases), Llama 4 ((in, out)) or a
+    transformers state dict ((out, in)): stacked experts, fused gate_up."""
+    E, H, I = spec.experts, spec.hidden, spec.inter
+    mlp = "feed_forward" if spec.fmt == "llama4" else "mlp"
+    prefix = f"model.layers.{layer}.{mlp}.experts"
+    if spec.fmt == "stacked":
+        out[f"{prefix}.gate_up_proj"] = _float_like(rng, (E, 2 * I, H), np.float32)
+        out[f"{prefix}.down_proj"] = _float_like(rng, (E, H, I), np.float32)
+        return
+    dtype = ml_dtypes.bfloat16 if spec.fmt == "gpt_oss" else np.float32
+    out[f"{prefix}.gate_up_proj"] = _float_like(rng, (E, H, 2 * I), dtype)
+    out[f"{prefix}.down_proj"] = _float_like(rng, (E, I, H), dtype)
+    if spec.fmt == "gpt_oss":
+        out[f"{prefix}.gate_up_proj_bias"] = _float_like(rng, (E, 2 * I), np.float32)
+        out[f"{prefix}.down_proj_bias"] = _float_like(rng, (E, H), np.float32)
+
+
+def _mxfp4(spec: _Spec, rng: np.random.Generator, base: str, out: dict[str, np.ndarray]) -> None:
+    """gpt-oss's MXFP4 blocks and scales (scales near 2^0), BF16 biases."""
+    E, H, I = spec.experts, spec.hidden, spec.inter
+    for name, (rows, cols) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+        out[f"{base}.{name}_blocks"] = rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8)
+        out[f"{base}.{name}_scales"] = rng.integers(118, 131, (E, rows, cols // 32), dtype=np.uint8)
+        out[f"{base}.{name}_bias"] = _float_like(rng, (E, rows), ml_dtypes.bfloat16)
+
+
+def _int4(spec: _Spec, rng: np.random.Generator, base: str, out: dict[str, np.ndarray]) -> None:
+    """compressed-tensors pack-quantized, per expert or stacked with a fused gate_up."""
+    H, I = spec.hidden, spec.inter
+    per_role = spec.roles() if spec.fmt == "int4" else (("gate_up", (2 * I, H)), ("down", (H, I)))
+    for role, (rows, cols) in per_role:
+        stack: dict[str, list[np.ndarray]] = {}
+        for e in range(spec.experts):
+            parts = {"weight_packed": _words(rng, (rows, cols // 8)),
+                     "weight_scale": _scales(rng, (rows, cols // spec.group), spec.scale_dtype),
+                     "weight_shape": np.array([rows, cols], np.int64)}
+            if not spec.symmetric:
+                parts["weight_zero_point"] = _words(rng, (-(-rows // 8), cols // spec.group))
+            for key, value in parts.items():
+                if spec.fmt == "int4":
+                    out[f"{base}.{e}.{role}_proj.{key}"] = value
+                else:
+                    stack.setdefault(key, []).append(value)
+        for key, values in stack.items():
+            out[f"{base}.{role}_proj.{key}"] = np.stack(values)
+
+
+def _quant_modules(spec: _Spec, rng: np.random.Generator, base: str,
+                   out: dict[str, np.ndarray]) -> None:
+    """GPTQ and AWQ modules, (in, out), per expert and role."""
+    for e in range(spec.experts):
+        for role, (o, i) in spec.roles():
+            name = f"{base}.{e}.{role}_proj."
+            groups = -(-i // spec.group) if spec.group > 0 else 1
+            out[name + "scales"] = _scales(rng, (groups, o), spec.scale_dtype)
+            out[name + "qzeros"] = _words(rng, (groups, o // 8))
+            if spec.fmt == "awq":
+                out[name + "qweight"] = _words(rng, (i, o // 8))
+                continue
+            out[name + "qweight"] = _words(rng, (i // 8, o))
+            rows_group = np.arange(i) // (spec.group if spec.group > 0 else i)
+            if spec.g_idx == "act_order":
+                out[name + "g_idx"] = rng.permutation(rows_group).astype(np.int32)
+            elif spec.g_idx == "sorted":
+                out[name + "g_idx"] = rows_group.astype(np.int32)
+
+
+def _config(spec: _Spec) -> dict[str, Any]:
+    """The config.json a loader reads for the format."""
+    fmt, group = spec.fmt, spec.group
+    config: dict[str, Any] = {"model_type": "gpt_oss" if fmt in ("gpt_oss", "mxfp4") else "qwen3_moe"}
+    if fmt == "mxfp4":
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    elif fmt in ("int4", "stacked_int4"):
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": spec.symmetric, "strategy": "group",
+                "group_size": group}}}}
+    elif fmt == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                         "zero_point": True, "version": "gemm"}
+    elif fmt in ("gptq", "gptq_v2"):
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                         "desc_act": spec.g_idx == "act_order", "sym": False,
+                                         "checkpoint_format": fmt}
+    return config
+
+
 def write_format_checkpoint(path: str | os.PathLike[str], fmt: str, *, hidden: int,
                             intermediate: int, experts: int = 2, layers: int = 1, seed: int = 0,
                             group: int = 32, scale_dtype: Any = ml_dtypes.bfloat16,
@@ -101,99 +229,26 @@ def write_format_checkpoint(path: str | os.PathLike[str], fmt: str, *, hidden: i
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; the formats are {', '.join(FORMATS)}")
-    H, I = hidden, intermediate
     multiple = format_constraints(fmt)
-    if H % multiple or I % multiple:
+    if hidden % multiple or intermediate % multiple:
         raise ValueError(f"{fmt} needs hidden and intermediate to be multiples of {multiple}")
+    spec = _Spec(fmt, hidden, intermediate, experts, group, scale_dtype, symmetric, g_idx, block)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
-    config: dict[str, Any] = {"model_type": "qwen3_moe"}
-    roles = (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))
     for layer in range(layers):
         base = f"model.layers.{layer}.mlp.experts"
-        if fmt in _PLAIN or fmt in ("f8_e4m3", "f8_e5m2", "fp8_block"):
-            for e in range(experts):
-                for role, shape in roles:
-                    name = f"{base}.{e}.{role}_proj.weight"
-                    if fmt in _PLAIN:
-                        tensors[name] = _float_like(rng, shape, _PLAIN[fmt])
-                        continue
-                    codes = _fp8_codes(rng, shape, fmt == "f8_e5m2")
-                    dtype = ml_dtypes.float8_e5m2 if fmt == "f8_e5m2" else ml_dtypes.float8_e4m3fn
-                    tensors[name] = codes.view(dtype)
-                    if fmt == "fp8_block":
-                        grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
-                        tensors[name + "_scale_inv"] = _scales(rng, grid, np.float32) * 0.05
-        elif fmt in ("gpt_oss", "llama4", "stacked"):
-            prefix = f"model.layers.{layer}.feed_forward.experts" if fmt == "llama4" else base
-            if fmt == "stacked":
-                tensors[f"{prefix}.gate_up_proj"] = _float_like(rng, (experts, 2 * I, H), np.float32)
-                tensors[f"{prefix}.down_proj"] = _float_like(rng, (experts, H, I), np.float32)
-            else:
-                dtype = ml_dtypes.bfloat16 if fmt == "gpt_oss" else np.float32
-                tensors[f"{prefix}.gate_up_proj"] = _float_like(rng, (experts, H, 2 * I), dtype)
-                tensors[f"{prefix}.down_proj"] = _float_like(rng, (experts, I, H), dtype)
-            if fmt == "gpt_oss":
-                tensors[f"{prefix}.gate_up_proj_bias"] = _float_like(rng, (experts, 2 * I), np.float32)
-                tensors[f"{prefix}.down_proj_bias"] = _float_like(rng, (experts, H), np.float32)
-                config["model_type"] = "gpt_oss"
+        if fmt in ("gpt_oss", "llama4", "stacked"):
+            _stacked_float(spec, rng, layer, tensors)
         elif fmt == "mxfp4":
-            for name, (rows, cols) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
-                tensors[f"{base}.{name}_blocks"] = rng.integers(
-                    0, 256, (experts, rows, cols // 32, 16), dtype=np.uint8)
-                tensors[f"{base}.{name}_scales"] = rng.integers(
-                    118, 131, (experts, rows, cols // 32), dtype=np.uint8)
-                tensors[f"{base}.{name}_bias"] = _float_like(rng, (experts, rows), ml_dtypes.bfloat16)
-            config["model_type"] = "gpt_oss"
-            config["quantization_config"] = {"quant_method": "mxfp4"}
+            _mxfp4(spec, rng, base, tensors)
         elif fmt in ("int4", "stacked_int4"):
-            per_role = roles if fmt == "int4" else (("gate_up", (2 * I, H)), ("down", (H, I)))
-            for role, (rows, cols) in per_role:
-                stack: dict[str, list[np.ndarray]] = {}
-                for e in range(experts):
-                    parts = {"weight_packed": _words(rng, (rows, cols // 8)),
-                             "weight_scale": _scales(rng, (rows, cols // group), scale_dtype),
-                             "weight_shape": np.array([rows, cols], np.int64)}
-                    if not symmetric:
-                        parts["weight_zero_point"] = _words(rng, (-(-rows // 8), cols // group))
-                    if fmt == "int4":
-                        for key, value in parts.items():
-                            tensors[f"{base}.{e}.{role}_proj.{key}"] = value
-                    else:
-                        for key, value in parts.items():
-                            stack.setdefault(key, []).append(value)
-                for key, values in stack.items():
-                    tensors[f"{base}.{role}_proj.{key}"] = np.stack(values)
-            config["quantization_config"] = {
-                "quant_method": "compressed-tensors", "format": "pack-quantized",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
-                    "group_size": group}}}}
-        else:  # GPTQ, AWQ: (in, out) modules
-            for e in range(experts):
-                for role, (o, i) in roles:
-                    name = f"{base}.{e}.{role}_proj."
-                    groups = -(-i // group) if group > 0 else 1
-                    tensors[name + "scales"] = _scales(rng, (groups, o), scale_dtype)
-                    tensors[name + "qzeros"] = _words(rng, (groups, o // 8))
-                    if fmt == "awq":
-                        tensors[name + "qweight"] = _words(rng, (i, o // 8))
-                        continue
-                    tensors[name + "qweight"] = _words(rng, (i // 8, o))
-                    rows_group = np.arange(i) // (group if group > 0 else i)
-                    if g_idx == "act_order":
-                        tensors[name + "g_idx"] = rng.permutation(rows_group).astype(np.int32)
-                    elif g_idx == "sorted":
-                        tensors[name + "g_idx"] = rows_group.astype(np.int32)
-            if fmt == "awq":
-                config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                                 "zero_point": True, "version": "gemm"}
-            else:
-                config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                                 "desc_act": g_idx == "act_order", "sym": False,
-                                                 "checkpoint_format": fmt}
+            _int4(spec, rng, base, tensors)
+        elif fmt in ("gptq", "gptq_v2", "awq"):
+            _quant_modules(spec, rng, base, tensors)
+        else:
+            _plain(spec, rng, base, tensors)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(_config(spec)))
     return out

@@ -92,7 +92,7 @@ def assert_lease_parts_equal_safetensors(path: Path, *, prefetch_workers: int = 
     what safetensors loads: shape, dtype, bytes, read-only. Returns the number
     of parts checked."""
     import colibri
-    from colibri.layouts import scan_model
+    from colibri.checkpoint.scan import scan_model
 
     tensors = load_safetensors(path)
     model = scan_model(path)

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
-from colibri.layouts import scan_model
+from colibri.checkpoint.scan import scan_model
 from conftest import assert_lease_parts_equal_safetensors, load_safetensors
 
 torch = pytest.importorskip("torch")
@@ -561,7 +561,7 @@ def test_ranges_a_few_bytes_apart_are_one_read(tmp_path: Path) -> None:
 def test_mxfp4_extreme_scales_equal_transformers() -> None:
     """Scale bytes 0 (2**-127, subnormal) and 255 (past float32) decode as
     transformers' convert_moe_packed_tensors does."""
-    from colibri.dequant import mxfp4_to_float
+    from colibri.formats.mxfp4 import mxfp4_to_float
 
     rng = np.random.default_rng(11)
     blocks = rng.integers(0, 256, (2, 6, 3, 16), dtype=np.uint8)

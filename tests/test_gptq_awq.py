@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
-from colibri.layouts import scan_model
+from colibri.checkpoint.scan import scan_model
 from conftest import assert_lease_parts_equal_safetensors, load_safetensors
 
 torch = pytest.importorskip("torch")
