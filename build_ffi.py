@@ -31,6 +31,7 @@ TEST_HOOKS_HEADER = "lru_test_hooks.h"  # compiled in, for the tests only
 SOURCES = ("lru_store.c", "ls_slots.c", "ls_policy.c", "ls_lookup.c", "ls_prefetch.c",
            "expert_reader.c", "io_pool.c", "ffn.c", "ffn_scalar.c", "ffn_x86.c", "ffn_neon.c",
            "compute_pool.c")
+LIBRARIES = ("pthread", "m")
 
 
 def _declarations(header_text: str) -> str:
@@ -94,7 +95,7 @@ ffibuilder.set_source(
     depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")],
     extra_compile_args=_compile,
     extra_link_args=_link,
-    libraries=["pthread"],
+    libraries=list(LIBRARIES),
 )
 
 

@@ -30,8 +30,10 @@ rounds is printed. The kernels take bfloat16 activations (as torch does);
     python benchmarks/kernels.py             # both shapes, T 1 and 16, threads 1 and 2
     python benchmarks/kernels.py --quick     # Qwen shape, 64 MiB rotation, 2 rounds
 
-The machine this runs on may be shared: the figures are wall times of
-whole calls (Python entry included) and noisy; read the spread.
+The machine this runs on may be shared: the figures are times of whole
+calls (Python entry included) and noisy; read the spread. --clock cpu
+counts the process's CPU time instead of wall time (steadier when other
+jobs take the cores; with more than one thread it adds the threads up).
 """
 
 from __future__ import annotations
@@ -100,11 +102,15 @@ def _open(path: Path, experts: int) -> tuple[Any, Rotation]:
     return store, rotation
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _timed(fn: Callable[[], Any], calls: int) -> float:
-    t0 = time.perf_counter()
+    t0 = _clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - t0) / calls
+    return (_clock() - t0) / calls
 
 
 def _bandwidth(threads: int, buf: Any) -> float:
@@ -133,10 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate", type=int, default=None, help="MiB of experts each rotation touches")
     ap.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     ap.add_argument("--numpy-mixtral", action="store_true")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="wall time, or the process's CPU time (all its threads): on a shared "
+                         "machine the CPU time of one thread is the steadier figure")
     ap.add_argument("--dir", default="/tmp/colibri-kernel-bench")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
     quick = args.quick
     shapes = (args.shapes or ("qwen3-30b-a3b" if quick else ",".join(SHAPES))).split(",")
     formats = args.formats.split(",")
@@ -301,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_common.table(
         f"expert FFN, cold weights ({rotate} MiB rotation), {args.dtype} activations, "
-        f"{rounds} rounds",
+        f"{rounds} rounds, {args.clock} clock",
         ("shape", "T", "threads", "format", "path", "median", "range", "x torch [range]",
          "x bound [range]", "GB/s"), rows,
         note="x torch: time over torch's bf16 FFN of the same shape, T and threads in the same "
