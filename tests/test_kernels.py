@@ -37,11 +37,13 @@ GPT_OSS_FORMATS = ("gpt_oss", "mxfp4")
 
 def reference(weights: dict[str, np.ndarray], x: np.ndarray, activation: str,
               alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
-    """The expert in float64 from dequantized weights."""
+    """The expert in float64 from dequantized weights. einsum, not matmul:
+    OpenBLAS's threads are invisible to ThreadSanitizer, which reports
+    their reuse of a freed buffer as a race."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     x = np.asarray(x, dtype=np.float64)
-    g = x @ w["gate"].T + w.get("gate_bias", 0.0)
-    u = x @ w["up"].T + w.get("up_bias", 0.0)
+    g = np.einsum("ti,oi->to", x, w["gate"]) + w.get("gate_bias", 0.0)
+    u = np.einsum("ti,oi->to", x, w["up"]) + w.get("up_bias", 0.0)
     with np.errstate(over="ignore"):
         if activation == "silu":
             h = g / (1.0 + np.exp(-g)) * u
@@ -49,7 +51,7 @@ def reference(weights: dict[str, np.ndarray], x: np.ndarray, activation: str,
             g = np.minimum(g, limit)
             u = np.clip(u, -limit, limit)
             h = (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
-    return h @ w["down"].T + w.get("down_bias", 0.0)
+    return np.einsum("ti,oi->to", h, w["down"]) + w.get("down_bias", 0.0)
 
 
 def relative_error(got: Any, want: np.ndarray) -> float:
