@@ -7,8 +7,8 @@ architecture written by transformers' own config classes and save_pretrained
   batch 1 and a left-padded batch 3, with 1 and 2 slots per layer (misses and
   slot-sized lease groups happen) and with PILOT on and off; greedy generate
   with the KV cache gives the same tokens.
-* bfloat16: the same greedy tokens for 16 new tokens (batch 1 and 3) and
-  prefill logits within bf16 rounding.
+* bfloat16, with kernels="torch" (stock's roundings): the same greedy tokens
+  for 16 new tokens (batch 1 and 3) and prefill logits within bf16 rounding.
 * no routed-expert parameter is materialized: the model's parameters and
   buffers are exactly the stock model's minus the experts' fused tensors,
   and loading reads no expert.
@@ -125,7 +125,9 @@ def test_f32_logits_and_greedy_equal_stock(ckpt, stock, arch: str) -> None:
             assert hf.store_of(model).active_leases == 0
             if slots == 1:
                 assert any(p.groups > 1 for p in groups.seen)   # unions larger than the slots
-            assert all(p.groups == -(-p.experts // slots) for p in groups.seen)
+            for p in groups.seen:   # a union past the slots streams through half of them with PILOT
+                size = slots // 2 if p.experts > slots and prefetch and slots > 1 else slots
+                assert p.groups == -(-p.experts // size)
             if prefetch is None:
                 assert runtime.pilot is None and stats.prefetched == 0
                 assert hf.store_of(model).prefetch_workers == 0
@@ -142,7 +144,9 @@ def test_bf16_same_greedy_tokens(ckpt, stock, arch: str) -> None:
     ref = stock(arch, "bfloat16")
     assert ref.dtype == torch.bfloat16
     batches = _batches(ref.config.vocab_size)
-    model = hf.from_pretrained(ckpt(arch, "bfloat16"), slots_per_layer=2)
+    # kernels="torch" rounds as stock transformers does, to the same greedy tokens; the
+    # native kernels accumulate in float32 (tests/test_hf_kernels.py compares them).
+    model = hf.from_pretrained(ckpt(arch, "bfloat16"), slots_per_layer=2, kernels="torch")
     try:
         assert model.dtype == torch.bfloat16
         with torch.no_grad():
