@@ -28,19 +28,52 @@ group is computed by colibri's native kernels straight from the slots
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from colibri.dequant import dequantize as dequantize_lease
 from colibri.kernels import experts_ffn
-from colibri.store import Store
+from colibri.store import LeaseGroup, Store
 
-__all__ = ["route", "swiglu", "expert_weights", "experts_forward", "moe_layer"]
+__all__ = ["route", "swiglu", "expert_weights", "experts_forward", "moe_layer", "LayerStream"]
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+class LayerStream:
+    """The experts a layer needs, leased in groups its cache holds at once:
+    iterate to get each group leased (a :class:`~colibri.LeaseGroup`, all
+    or nothing), released when the loop moves on. ``len()`` is the number
+    of groups; ``groups`` lists them, in the order given.
+
+    A union that fits the layer's slots is one group. A larger one streams
+    through the cache once: with I/O workers (``prefetch_workers > 0``) and
+    two slots or more, in groups of half the slots, and while a group is
+    leased the next one is prefetched into the other half (a prefetch never
+    evicts a leased slot), so its reads overlap this group's compute;
+    without workers, in groups of all the slots, each read by its lease.
+    """
+
+    def __init__(self, store: Store, layer: int, experts: Sequence[int]) -> None:
+        self.store, self.layer = store, layer
+        slots = store.slots(layer)
+        self.streaming = len(experts) > slots > 1 and store.prefetch_workers > 0
+        size = slots // 2 if self.streaming else slots
+        self.groups = [list(experts[i:i + size]) for i in range(0, len(experts), size)]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[LeaseGroup]:
+        store, groups = self.store, self.groups
+        for g, group in enumerate(groups):
+            with store.lease_many(self.layer, group) as leased:
+                if self.streaming and g + 1 < len(groups):
+                    store.prefetch([(self.layer, e) for e in groups[g + 1]])
+                yield leased
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -147,8 +180,8 @@ def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: n
     ``swiglu_limit``, up to +-``swiglu_limit``, ``down((up + 1) * gate *
     sigmoid(swiglu_alpha * gate))``). Experts of any layout and format are
     computed by the native kernels from their slots. Every expert chosen by some token is
-    leased once, all or nothing, in groups of at most the layer's slot count
-    (one group when the union fits), and released before returning. Returns
+    leased once, all or nothing, in groups that fit the layer's slots (one
+    group when the union fits; :class:`LayerStream`), and released before returning. Returns
     float32 (tokens, hidden).
     """
     if activation not in ("silu", "gpt_oss"):
@@ -164,22 +197,19 @@ def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: n
         raise ValueError(f"top_k_index {idx.shape} and top_k_weights {w.shape} must both be "
                          f"(tokens, k) for {x.shape[0]} tokens")
     out = np.zeros_like(x)
-    union = [int(e) for e in np.unique(idx)]
-    # A big batch may choose more experts than the layer has slots: lease the
-    # union in groups the cache can hold at once, each all or nothing.
-    group = max(1, store.slots(layer))
-    for start in range(0, len(union), group):
-        with store.lease_many(layer, union[start:start + group]) as leases:
-            # Every (token, slot) pair of the group's experts, gathered by
-            # expert: one kernel call computes them all from the slots.
-            picks = [np.nonzero(idx == lease.expert) for lease in leases]
-            rows = np.concatenate([r for r, _ in picks])
-            scale = w[rows, np.concatenate([k for _, k in picks]), None]
-            xs = x[rows] * scale if weights_on_input else x[rows]
-            y = experts_ffn(leases, np.ascontiguousarray(xs), [len(r) for r, _ in picks],
-                            activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
-            # np.add.at: a token may pick the same expert in two of its k slots.
-            np.add.at(out, rows, y if weights_on_input else scale * y)
+    # A big batch may choose more experts than the layer has slots: the union
+    # streams through the cache in groups (LayerStream), each all or nothing.
+    for leases in LayerStream(store, layer, [int(e) for e in np.unique(idx)]):
+        # Every (token, slot) pair of the group's experts, gathered by
+        # expert: one kernel call computes them all from the slots.
+        picks = [np.nonzero(idx == lease.expert) for lease in leases]
+        rows = np.concatenate([r for r, _ in picks])
+        scale = w[rows, np.concatenate([k for _, k in picks]), None]
+        xs = x[rows] * scale if weights_on_input else x[rows]
+        y = experts_ffn(leases, np.ascontiguousarray(xs), [len(r) for r, _ in picks],
+                        activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
+        # np.add.at: a token may pick the same expert in two of its k slots.
+        np.add.at(out, rows, y if weights_on_input else scale * y)
     return out
 
 

@@ -27,6 +27,7 @@ from colibri.errors import ColibriError
 from colibri.pilot import Pilot
 from colibri.store import Store
 from colibri.kernels import experts_ffn
+from colibri.moe import LayerStream
 from colibri.torch_interop import as_torch, dequantize_torch
 
 __all__ = ["KERNELS", "LayerProgress", "Runtime", "RouterPilot", "colibri_experts_forward",
@@ -139,22 +140,16 @@ class Runtime:
         pilot = self.pilot
         if pilot is not None:
             pilot.observe(layer, pairs.union)
-        order = self._order(layer, pairs.union)
-        slots = store.slots(layer)
-        # A union larger than the cache streams through it: with I/O workers,
-        # half the slots compute while the next group loads into the other half.
-        streaming = len(order) > slots and store.prefetch_workers > 0 and slots > 1
-        size = slots // 2 if streaming else slots
-        groups = [order[i:i + size] for i in range(0, len(order), size)]
+        # A union larger than the cache streams through it (LayerStream).
+        stream = LayerStream(store, layer, self._order(layer, pairs.union))
         kernel = self._kernel_of(module)
         if kernel is None:
-            out = self._forward_torch(module, layer, hidden_states, top_k_weights, pairs, groups)
+            out = self._forward_torch(module, layer, hidden_states, top_k_weights, pairs, stream)
         else:
-            out = self._forward_native(kernel, layer, hidden_states, top_k_weights, pairs, groups,
-                                       streaming)
+            out = self._forward_native(kernel, layer, hidden_states, top_k_weights, pairs, stream)
         if self.progress is not None:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
-                                        pairs.tokens, len(pairs.union), len(groups)))
+                                        pairs.tokens, len(pairs.union), len(stream)))
         return out
 
     def _kernel_of(self, module: Any) -> tuple[str, float, float] | None:
@@ -177,7 +172,7 @@ class Runtime:
             self._predicted[nxt] = pilot.predict_next(layer, hidden_states)
 
     def _forward_torch(self, module: Any, layer: int, hidden_states: Any, top_k_weights: Any,
-                       pairs: "_Pairs", groups: list[list[int]]) -> Any:
+                       pairs: "_Pairs", stream: LayerStream) -> Any:
         """Each leased expert dequantized to torch tensors and run with the
         module's own gating (``kernels="torch"``)."""
         import torch
@@ -188,55 +183,47 @@ class Runtime:
                           device=hidden_states.device)
         ffn = _expert_ffn(module)
         compute_dtype = hidden_states.dtype
-        for g, group in enumerate(groups):
-            with self.store.lease_many(layer, group) as leased:
-                if g == 0:
-                    self._predict(layer, hidden_states)
-                for ex in leased:
-                    ts, js = pairs.rows[ex.key[1]]
-                    weights = _weights(ex, compute_dtype)
-                    if len(ts) == 1:
-                        t, j = ts[0], js[0]
-                        y = ffn(hidden_states[t:t + 1], *weights)
-                        # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
-                        out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
-                    else:
-                        token_idx = torch.tensor(ts, device=hidden_states.device)
-                        pos = torch.tensor(js, device=hidden_states.device)
-                        y = ffn(hidden_states[token_idx], *weights)
-                        out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
-                    del weights
+        for g, leased in enumerate(stream):
+            if g == 0:
+                self._predict(layer, hidden_states)
+            for ex in leased:
+                ts, js = pairs.rows[ex.key[1]]
+                weights = _weights(ex, compute_dtype)
+                if len(ts) == 1:
+                    t, j = ts[0], js[0]
+                    y = ffn(hidden_states[t:t + 1], *weights)
+                    # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
+                    out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
+                else:
+                    token_idx = torch.tensor(ts, device=hidden_states.device)
+                    pos = torch.tensor(js, device=hidden_states.device)
+                    y = ffn(hidden_states[token_idx], *weights)
+                    out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
+                del weights
         return out.sum(dim=1).to(hidden_states.dtype)
 
     def _forward_native(self, kernel: tuple[str, float, float], layer: int, hidden_states: Any,
-                        top_k_weights: Any, pairs: "_Pairs", groups: list[list[int]],
-                        streaming: bool) -> Any:
+                        top_k_weights: Any, pairs: "_Pairs", stream: LayerStream) -> Any:
         """Every (token, expert) pair's row gathered by expert, each lease
         group computed in one native call straight from the slots, the rows
-        weighted and added back per token. While a group computes, the next
-        one's experts are prefetched into the slots it leaves free."""
+        weighted and added back per token."""
         import torch
 
         activation, alpha, limit = kernel
-        order = [e for group in groups for e in group]
-        perm, counts = pairs.by_expert(order)
+        perm, counts = pairs.by_expert([e for group in stream.groups for e in group])
         x = hidden_states[perm // pairs.k]
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         y = torch.empty(x.shape, dtype=torch.float32)
         start = first = 0
-        for g, group in enumerate(groups):
-            with self.store.lease_many(layer, group) as leased:
-                if streaming and g + 1 < len(groups):
-                    self.store.prefetch([(layer, e) for e in groups[g + 1]])
-                if g == 0:
-                    self._predict(layer, hidden_states)
-                end = start + len(group)
-                rows = int(counts[start:end].sum())
-                experts_ffn(leased, x[first:first + rows], counts[start:end],
-                            out=y[first:first + rows], activation=activation, alpha=alpha,
-                            limit=limit)
-                start, first = end, first + rows
+        for g, leased in enumerate(stream):
+            if g == 0:
+                self._predict(layer, hidden_states)
+            end = start + len(leased)
+            rows = int(counts[start:end].sum())
+            experts_ffn(leased, x[first:first + rows], counts[start:end], out=y[first:first + rows],
+                        activation=activation, alpha=alpha, limit=limit)
+            start, first = end, first + rows
         w = top_k_weights.reshape(-1)[perm].to(torch.float32)
         out = torch.zeros(pairs.tokens, hidden_states.shape[-1], dtype=torch.float32)
         out.index_add_(0, perm // pairs.k, y * w[:, None])
