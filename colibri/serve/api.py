@@ -1,0 +1,443 @@
+"""The OpenAI-compatible HTTP API of ``colibri serve`` (FastAPI).
+
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (each streaming as server-sent events ending with
+``data: [DONE]``, or not), ``GET /health`` and ``GET /metrics`` (Prometheus
+text). With an API key set, every ``/v1`` route needs ``Authorization:
+Bearer KEY``.
+
+Every refusal is OpenAI's error body, ``{"error": {"message", "type",
+"param", "code"}}``, with a 4xx status for bad input (malformed JSON, unknown
+fields or model, missing messages, a prompt the context cannot hold,
+``max_tokens`` below 1 or beyond the context, a wrong key) and 5xx when the
+server fails a request (an expert read that failed: 500; shutting down or a
+full queue: 503). A streamed request waits for its first token before
+answering, so a failure that early still gets its status; one later ends the
+stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from colibri.errors import ColibriError, ExpertLoadError
+from colibri.serve.engine import Engine, EngineBusy, EngineClosed, Event, Request, Sampling
+from colibri.serve.metrics import render
+from colibri.serve.text import TextStream
+
+__all__ = ["ApiError", "create_app"]
+
+#: Seconds between two checks that a client waiting for a whole completion is still there.
+DISCONNECT_POLL = 0.25
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- request bodies --
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Common(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def unsupported(self) -> None:
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n} is not supported: one choice per request", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise ApiError(400, f"{name} is not supported (only 0)", param=name)
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 4:
+            raise ApiError(400, "stop takes at most 4 strings", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class _ChatBody(_Common):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+
+class _CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    where = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in ("str", "list[int]")))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"unknown field '{where}'", where
+    if kind == "missing":
+        return f"missing required field '{where}'", where
+    return f"{where}: {err['msg']}", where
+
+
+async def _json_body(raw: bytes, model: type[_Body]) -> Any:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = _validation_message(exc)
+        raise ApiError(400, message, param=param) from None
+
+
+# -- the app --
+
+def create_app(engine: Engine, tokenizer: Any, *, model_id: str, api_key: str | None = None) -> Any:
+    """The FastAPI application serving ``engine`` (already started) as ``model_id``."""
+    app = FastAPI(title="colibri serve", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    app.state.engine = engine
+
+    def error(exc: ApiError) -> Any:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: HttpRequest, exc: ApiError) -> Any:
+        return error(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: HttpRequest, exc: HTTPException) -> Any:
+        what = "not found" if exc.status_code == 404 else str(exc.detail)
+        return error(ApiError(exc.status_code, f"{request.method} {request.url.path}: {what}"))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: HttpRequest, exc: Exception) -> Any:
+        return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+    def authorize(request: HttpRequest) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != model_id:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_id}'",
+                           param="model", code="model_not_found")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "colibri"}
+
+    @app.get("/v1/models")
+    async def models(request: HttpRequest) -> Any:
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: HttpRequest) -> Any:
+        authorize(request)
+        check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Any:
+        stats = engine.stats()
+        ok = engine.alive and not engine.store.closed and engine.accepting
+        body = {"status": "ok" if ok else "unavailable", "model": model_id,
+                "running": stats.running, "waiting": stats.waiting}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def max_tokens(body: _Common, prompt_len: int, requested: int | None, default: int | None) -> int:
+        limit = engine.context - prompt_len
+        if prompt_len >= engine.context:
+            raise ApiError(400, f"This model's maximum context length is {engine.context} tokens, and "
+                           f"the prompt is {prompt_len} tokens; shorten the prompt",
+                           param="messages" if isinstance(body, _ChatBody) else "prompt",
+                           code="context_length_exceeded")
+        if requested is None:
+            return limit if default is None else min(default, limit)
+        if requested < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens",
+                           code="invalid_value")
+        if requested > limit:
+            raise ApiError(400, f"This model's maximum context length is {engine.context} tokens. "
+                           f"However, you requested {prompt_len + requested} tokens ({prompt_len} in "
+                           f"the prompt, {requested} in the completion); reduce max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def chat_prompt(body: _ChatBody) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, f"the model '{model_id}' has no chat template: use /v1/completions",
+                           param="messages")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:   # the template itself refuses (e.g. roles out of order)
+            raise ApiError(400, f"the chat template refused these messages: {exc}",
+                           param="messages") from None
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def completion_prompt(body: _CompletionBody) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+            vocab = len(tokenizer)
+            if any(not 0 <= int(x) < vocab for x in prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return [int(x) for x in prompt]
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request (a list of one string, or a string)",
+                               param="prompt")
+            return list(tokenizer(str(prompt[0]))["input_ids"])
+        return list(tokenizer(prompt)["input_ids"])
+
+    async def submit(prompt: list[int], body: _Common, limit: int) -> tuple[Request, asyncio.Queue[Event]]:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        sampling = Sampling(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+        try:
+            return engine.submit(prompt, sampling, sink), events
+        except EngineClosed as exc:
+            raise ApiError(503, str(exc), "server_error", code="shutting_down") from None
+        except EngineBusy as exc:
+            raise ApiError(503, str(exc), "server_error", code="server_busy") from None
+
+    def failure(event: Event) -> ApiError:
+        exc = event.error
+        if event.kind == "done":    # cancelled by the server itself: it is stopping
+            return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
+        if isinstance(exc, ExpertLoadError):
+            return ApiError(500, f"reading an expert failed: {exc}", "server_error", code="expert_load_error")
+        if isinstance(exc, EngineClosed):
+            return ApiError(503, str(exc), "server_error", code="shutting_down")
+        kind = type(exc).__name__ if exc is not None else "error"
+        return ApiError(500, f"generation failed: {kind}: {exc}", "server_error",
+                        code="colibri_error" if isinstance(exc, ColibriError) else "internal_error")
+
+    async def next_event(events: asyncio.Queue[Event], http: HttpRequest) -> Event | None:
+        """The next engine event, or None once the client has gone away."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return None
+
+    def usage(prompt: list[int], tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": len(prompt), "completion_tokens": tokens, "total_tokens": len(prompt) + tokens}
+
+    async def complete(http: HttpRequest, chat: bool) -> Any:
+        authorize(http)
+        body = await _json_body(await http.body(), _ChatBody if chat else _CompletionBody)
+        check_model(body.model)
+        body.unsupported()
+        if chat:
+            prompt = await run_in_threadpool(chat_prompt, body)
+            requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            limit = max_tokens(body, len(prompt), requested, None)
+        else:
+            prompt = await run_in_threadpool(completion_prompt, body)
+            limit = max_tokens(body, len(prompt), body.max_tokens, 16)
+        request, events = await submit(prompt, body, limit)
+        stream = TextStream(tokenizer, prompt, body.stops())
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        now = int(time.time())
+        try:
+            first = await next_event(events, http)
+        except BaseException:
+            request.cancel()
+            raise
+        if first is None:
+            request.cancel()
+            return Response(status_code=499)
+        if first.kind != "token":
+            raise failure(first)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = _stream(request, events, first, stream, chat=chat, rid=rid, now=now, model=model_id,
+                             prompt=prompt, include_usage=include_usage, failure=failure, usage=usage)
+            return StreamingResponse(chunks, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            tokens, reason = 0, None
+            event: Event | None = first
+            while reason is None:
+                if event is None:
+                    return Response(status_code=499)   # the client is gone; nobody reads this
+                if event.kind == "token":
+                    tokens += 1
+                    stream.push(int(event.token or 0))
+                    if stream.stopped:
+                        reason = "stop"
+                        break
+                elif event.kind == "done" and event.reason in ("stop", "length"):
+                    stream.finish()
+                    reason = event.reason
+                    break
+                else:
+                    raise failure(event)
+                event = await next_event(events, http)
+        finally:
+            request.cancel()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": stream.text},
+                      "logprobs": None, "finish_reason": reason}
+            return {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
+                    "choices": [choice], "usage": usage(prompt, tokens)}
+        choice = {"index": 0, "text": stream.text, "logprobs": None, "finish_reason": reason}
+        return {"id": rid, "object": "text_completion", "created": now, "model": model_id,
+                "choices": [choice], "usage": usage(prompt, tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest) -> Any:
+        return await complete(http, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Any:
+        return await complete(http, chat=False)
+
+    return app
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _stream(request: Request, events: asyncio.Queue[Event], first: Event, stream: TextStream, *,
+                  chat: bool, rid: str, now: int, model: str, prompt: list[int], include_usage: bool,
+                  failure: Any, usage: Any) -> AsyncIterator[bytes]:
+    """The server-sent events of one streamed completion; cancels the request
+    when the client goes away (this generator is then cancelled or closed)."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, reason: str | None, role: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        data: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": model, "choices": [choice]}
+        if include_usage:
+            data["usage"] = None
+        return _sse(data)
+
+    try:
+        if chat:
+            yield chunk("", None, role=True)
+        tokens, event = 0, first
+        while True:
+            if event.kind == "token":
+                tokens += 1
+                piece = stream.push(int(event.token or 0))
+                if piece:
+                    yield chunk(piece, None)
+                if stream.stopped:
+                    reason = "stop"
+                    break
+            elif event.kind == "done" and event.reason in ("stop", "length"):
+                rest = stream.finish()
+                if rest:
+                    yield chunk(rest, None)
+                reason = event.reason
+                break
+            else:
+                yield _sse(failure(event).body())
+                return
+            event = await events.get()
+        request.cancel()
+        yield chunk(None if chat else "", reason)
+        if include_usage:
+            yield _sse({"id": rid, "object": obj, "created": now, "model": model, "choices": [],
+                        "usage": usage(prompt, tokens)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        request.cancel()
