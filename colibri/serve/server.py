@@ -122,6 +122,7 @@ class Server:
         self.model_name = model_name
         self.drain = drain
         self.sock = sock if sock is not None else bind(host, port)
+        self._address = self.sock.getsockname()[:2]
         self.app = create_app(self.engine, tokenizer, model_id=model_name, api_key=api_key)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=math.ceil(drain))
@@ -131,7 +132,7 @@ class Server:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.sock.getsockname()[:2]
+        host, port = self._address
         return str(host), int(port)
 
     @property
