@@ -36,6 +36,8 @@ def load(model_dir: str, *, ram_gb: float | None = None, slots: int | None = Non
     except ImportError as exc:
         raise hf.UnsupportedModelError("colibri serve needs torch and transformers: "
                                        "pip install 'colibri[serve]'") from exc
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise hf.UnsupportedModelError(f"{model_dir}: not a model directory (no config.json)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
