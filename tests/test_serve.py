@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -38,6 +39,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import colibri.hf as hf  # noqa: E402
+from colibri.serve.engine import Engine, Sampling  # noqa: E402
 from colibri.serve.server import Server  # noqa: E402
 from colibri.serve.text import TextStream  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
@@ -78,10 +80,18 @@ def tokenizer(tiny: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny: str, tokenizer: Any) -> Any:
+def plain_model(tiny: str) -> Any:
+    """A colibri.hf model left as from_pretrained makes it (SDPA attention)."""
+    model = hf.from_pretrained(tiny, slots_per_layer=4, prefetch="off")
+    yield model
+    model.colibri_close()
+
+
+@pytest.fixture(scope="module")
+def reference(plain_model: Any, tokenizer: Any) -> Any:
     """text(prompt_ids, n): what colibri.hf + greedy generate continues with,
     as the text it adds to the decoded prompt, and its finish reason."""
-    model = hf.from_pretrained(tiny, slots_per_layer=4, prefetch="off")
+    model = plain_model
     done: dict[tuple[tuple[int, ...], int], tuple[str, str]] = {}
 
     def text(prompt: list[int], n: int = NEW) -> tuple[str, str]:
@@ -97,8 +107,7 @@ def reference(tiny: str, tokenizer: Any) -> Any:
             done[key] = (whole[len(head):], "stop" if eos else "length")
         return done[key]
 
-    yield text
-    model.colibri_close()
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +264,52 @@ def test_concurrent_clients_each_equal_their_solo_run(server: Server, client: An
     rows = after["colibri_serve_decode_rows_total"] - before["colibri_serve_decode_rows_total"]
     assert rows > steps     # some steps decoded several sequences at once
     wait_until(lambda: _idle(server), "the batch drained and no lease held")
+
+
+def _engine_run(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Submit every prompt at once (greedy); each one's tokens."""
+    queues = [queue.Queue() for _ in prompts]
+    for prompt, q in zip(prompts, queues):
+        engine.submit(prompt, Sampling(max_tokens=n, temperature=0), q.put)
+    out = []
+    for q in queues:
+        tokens = []
+        while (event := q.get(timeout=120)).kind == "token":
+            tokens.append(event.token)
+        assert event.kind == "done", event
+        out.append(tokens)
+    return out
+
+
+def test_max_batch_1_runs_one_request_at_a_time(plain_model: Any, tokenizer: Any, reference: Any) -> None:
+    engine = Engine(plain_model, max_batch=1, eos=[tokenizer.eos_token_id]).start()
+    try:
+        prompts = [_completion_ids(tokenizer, p) for p in PROMPTS[:3]]
+        got = _engine_run(engine, prompts, NEW)
+        stats = engine.stats()
+    finally:
+        engine.shutdown(timeout=60)
+    assert plain_model.config._attn_implementation == "sdpa"      # max_batch 1 leaves the model as it is
+    for prompt, tokens in zip(prompts, got):
+        text = tokenizer.decode(prompt + tokens, skip_special_tokens=True)
+        assert text[len(tokenizer.decode(prompt, skip_special_tokens=True)):] == reference(prompt)[0]
+    assert stats.step_rows == stats.steps and stats.prefills == 3
+
+
+def test_a_model_that_cannot_batch_row_exactly_runs_unbatched(tiny: str, tokenizer: Any) -> None:
+    model = hf.from_pretrained(tiny, slots_per_layer=4, prefetch="off")
+    try:
+        model.set_attn_implementation("eager")
+        engine = Engine(model, max_batch=8).start()
+        assert engine.max_batch == 1 and "eager" in (engine.unbatched_reason or "")
+        try:
+            got = _engine_run(engine, [_completion_ids(tokenizer, p) for p in PROMPTS[:2]], 4)
+        finally:
+            engine.shutdown(timeout=60)
+        assert [len(t) for t in got] == [4, 4]
+        assert engine.stats().step_rows == engine.stats().steps
+    finally:
+        model.colibri_close()
 
 
 # -- bad input --
