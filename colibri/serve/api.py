@@ -282,6 +282,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_id: str, api_key: str | 
         sampling = Sampling(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
         try:
             return engine.submit(prompt, sampling, sink), events
+        except ValueError as exc:     # the engine's own check of prompt and max_tokens
+            raise ApiError(400, str(exc), code="context_length_exceeded") from None
         except EngineClosed as exc:
             raise ApiError(503, str(exc), "server_error", code="shutting_down") from None
         except EngineBusy as exc:
@@ -341,8 +343,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_id: str, api_key: str | 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = _stream(request, events, first, stream, chat=chat, rid=rid, now=now, model=model_id,
                              prompt=prompt, include_usage=include_usage, failure=failure, usage=usage)
-            return StreamingResponse(chunks, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(chunks, request)
         try:
             tokens, reason = 0, None
             event: Event | None = first
@@ -382,6 +383,26 @@ def create_app(engine: Engine, tokenizer: Any, *, model_id: str, api_key: str | 
         return await complete(http, chat=False)
 
     return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their request however the response
+    ends: done, the client gone, or the server cancelling it."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], request: Request) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._chunks = chunks
+        self._request = request
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._request.cancel()
+            aclose = getattr(self._chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def _sse(data: Any) -> bytes:
