@@ -35,6 +35,12 @@ Each concurrency runs with ``--max-batch`` (batching) and with
 batching, 4 clients reach at least 2.5x the aggregate tokens/s of 1 client
 and at most 0.5x its disk MB per token.
 
+How many experts concurrent requests share depends on the routing, and the
+synthetic model's random prompts share little. So the run ends with the same
+question on a real model's routing: tests/data/traces' Qwen3.6-35B-A3B trace
+replayed through colibri's own per-layer LRU (a replay store: no bytes),
+B prompts decoding together from cold (``--trace-only`` runs just that).
+
 Needs root (cgroups, drop_caches) and a cgroup-v1 memory controller;
 ``--no-limit`` runs without them (then the runs are not cold).
 
@@ -269,6 +275,56 @@ def run_one(model_dir: Path, args: argparse.Namespace, max_batch: int, clients: 
     }
 
 
+# -- the same question on real routing --
+
+TRACE = HERE.parent / "tests" / "data" / "traces" / "qwen3.6-35b-a3b-fever.npz"
+
+
+def trace_sharing(path: Path, fraction: float, batches: list[int]) -> dict[int, dict[str, float]]:
+    """What batching does to expert reads on a real model's routing: the
+    trace's prompts taken B at a time, each group decoding together from a
+    cold store (one step leases, per layer, the union of the B tokens'
+    experts) through colibri's own per-layer LRU of ``fraction`` of the
+    experts, in a replay store (no bytes read). Per batch size: expert reads
+    and union size per token (decode only; the trace has no prefill)."""
+    import numpy as np
+
+    from colibri.store import open_replay_store
+    from colibri.trace import Trace
+
+    trace = Trace.load(path)
+    n_experts, layers = int(trace.num_experts), [int(layer) for layer in trace.layers]
+    slots = max(1, int(n_experts * fraction))
+    sequences = trace.sequences
+    out = {}
+    for batch in batches:
+        misses = tokens = union = 0
+        for g in range(0, len(sequences) - batch + 1, batch):
+            rows = [np.flatnonzero(trace.sequence == s) for s in sequences[g:g + batch]]
+            steps = min(len(r) for r in rows)
+            pieces: list[np.ndarray] = []
+            for p in range(steps):
+                chosen = [np.unique(trace.experts[[r[p] for r in rows], i]) for i in range(len(layers))]
+                union += sum(len(c) for c in chosen)
+                width = max(len(c) for c in chosen)
+                for start in range(0, width, 32):       # replay_tokens takes up to 32 experts a call
+                    piece = np.full((len(layers), 32), -1, dtype=np.int32)
+                    for i, c in enumerate(chosen):
+                        part = c[start:start + 32]
+                        piece[i, :len(part)] = part
+                    pieces.append(piece)
+            store = open_replay_store({layer: n_experts for layer in layers}, slots_per_layer=slots)
+            try:
+                store.replay_tokens(np.asarray(layers), np.stack(pieces))
+                misses += store.stats().misses
+            finally:
+                store.close()
+            tokens += steps * batch
+        out[batch] = {"reads_per_token": misses / tokens / len(layers),
+                      "union_per_token": union / tokens / len(layers)}
+    return out
+
+
 # -- the table and the goals --
 
 def fmt(v: float | None, spec: str) -> str:
@@ -297,10 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-limit", action="store_true", help="no cgroup, no drop_caches (not cold)")
     ap.add_argument("--quick", action="store_true", help="generate.py's small model, 8 new tokens")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--no-trace", action="store_true", help="skip the replay of the real routing trace")
+    ap.add_argument("--trace-only", action="store_true", help="only the replay of the real routing trace")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens = min(args.tokens, 8)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.trace_only:
+        for b, v in trace_sharing(TRACE, 1 / 4, levels).items():
+            print(f"{b} prompts together: {v['reads_per_token']:.2f} expert reads and "
+                  f"{v['union_per_token']:.2f} distinct experts per token and layer")
+        return 0
     if not args.no_limit and (os.geteuid() != 0 or not (CGROUP_ROOT / "memory.limit_in_bytes").exists()):
         ap.error(f"needs root and a cgroup-v1 memory controller at {CGROUP_ROOT} (or --no-limit)")
     t_all = time.perf_counter()
@@ -366,6 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         if d1 and d4:
             goals.check("4 clients / 1 client, disk MB per token (batching)", d4 / d1, "<= 0.5x",
                         d4 / d1 <= 0.5, f"{d4 / d1:.2f}x")
+        if TRACE.exists() and not args.no_trace:
+            shared = trace_sharing(TRACE, 1 / 4, levels)
+            base = shared[levels[0]]["reads_per_token"]
+            print()
+            print(table("real routing (Qwen3.6-35B-A3B trace, 40 layers x 256 experts, top-8): B prompts "
+                        "decoding together, cold, LRU of a quarter of the experts, decode only",
+                        ("clients", "expert reads/token/layer", f"vs {levels[0]}", "union/token/layer"),
+                        [(str(b), f"{v['reads_per_token']:.2f}", f"{v['reads_per_token'] / base:.2f}x",
+                          f"{v['union_per_token']:.2f}") for b, v in shared.items()]))
         b4 = med(1, 4, "tokens_per_s")
         if four and b4:
             goals.check("4 clients: batching / --max-batch 1, tokens/s", four / b4, "> 1x", four / b4 > 1,
