@@ -25,7 +25,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from colibri.describe import describe, render
-    from colibri.layouts import scan_model
+    from colibri.checkpoint.scan import scan_model
 
     if args.slots is not None and args.slots < 1:
         raise FormatError(f"--slots must be >= 1, got {args.slots}")
