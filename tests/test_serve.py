@@ -39,6 +39,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import colibri.hf as hf  # noqa: E402
+import core_control  # noqa: E402
 from colibri.serve.engine import Engine, Sampling  # noqa: E402
 from colibri.serve.server import Server  # noqa: E402
 from colibri.serve.text import TextStream  # noqa: E402
@@ -59,8 +60,9 @@ PROMPTS = ["the cat sat on the road", "hello world", "a big red fish swim in the
 
 
 def inject_read_fault(store: Any, nth: int = 1, errno_value: int = errno.EIO) -> None:
-    """Make the store's nth read from now fail: the one place these tests inject faults."""
-    store._inject_read_fault(nth, errno_value)
+    """Make the store's nth read from now fail: the one place these tests inject
+    faults (through the test build's control, tests/core_control.py)."""
+    core_control.inject_read_fault(store, nth, errno_value)
 
 
 # -- fixtures --

@@ -161,10 +161,170 @@ async def _json_body(raw: bytes, model: type[_Body]) -> Any:
 
 # -- the app --
 
+def _usage(prompt: list[int], tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": len(prompt), "completion_tokens": tokens, "total_tokens": len(prompt) + tokens}
+
+
+def _failure(event: Event) -> ApiError:
+    """The error answered for an event that ended a request without a completion."""
+    exc = event.error
+    if event.kind == "done":    # cancelled by the server itself: it is stopping
+        return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
+    if isinstance(exc, ExpertLoadError):
+        return ApiError(500, f"reading an expert failed: {exc}", "server_error", code="expert_load_error")
+    if isinstance(exc, EngineClosed):
+        return ApiError(503, str(exc), "server_error", code="shutting_down")
+    kind = type(exc).__name__ if exc is not None else "error"
+    return ApiError(500, f"generation failed: {kind}: {exc}", "server_error",
+                    code="colibri_error" if isinstance(exc, ColibriError) else "internal_error")
+
+
+async def _next_event(events: asyncio.Queue[Event], http: HttpRequest) -> Event | None:
+    """The next engine event, or None once the client has gone away."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return None
+
+
+class _Api:
+    """What the routes do, for one engine, tokenizer and model id."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_id: str, api_key: str | None) -> None:
+        self.engine, self.tokenizer, self.model_id, self.api_key = engine, tokenizer, model_id, api_key
+        self.created = int(time.time())
+
+    def authorize(self, request: HttpRequest) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "colibri"}
+
+    def health(self) -> Any:
+        engine = self.engine
+        stats = engine.stats()
+        ok = engine.alive and not engine.store.closed and engine.accepting
+        body = {"status": "ok" if ok else "unavailable", "model": self.model_id,
+                "running": stats.running, "waiting": stats.waiting}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    def max_tokens(self, body: _Common, prompt_len: int, requested: int | None, default: int | None) -> int:
+        context = self.engine.context
+        limit = context - prompt_len
+        if prompt_len >= context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens, and the prompt "
+                           f"is {prompt_len} tokens; shorten the prompt",
+                           param="messages" if isinstance(body, _ChatBody) else "prompt",
+                           code="context_length_exceeded")
+        if requested is None:
+            return limit if default is None else min(default, limit)
+        if requested < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens",
+                           code="invalid_value")
+        if requested > limit:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+                           f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                           f"{requested} in the completion); reduce max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def chat_prompt(self, body: _ChatBody) -> list[int]:
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, f"the model '{self.model_id}' has no chat template: use /v1/completions",
+                           param="messages")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:   # the template itself refuses (e.g. roles out of order)
+            raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def completion_prompt(self, body: _CompletionBody) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+            vocab = len(self.tokenizer)
+            if any(not 0 <= int(x) < vocab for x in prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return [int(x) for x in prompt]
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request (a list of one string, or a string)",
+                               param="prompt")
+            return list(self.tokenizer(str(prompt[0]))["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    async def submit(self, prompt: list[int], body: _Common,
+                     limit: int) -> tuple[Request, asyncio.Queue[Event]]:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        sampling = Sampling(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+        try:
+            return self.engine.submit(prompt, sampling, sink), events
+        except ValueError as exc:     # the engine's own check of prompt and max_tokens
+            raise ApiError(400, str(exc), code="context_length_exceeded") from None
+        except EngineClosed as exc:
+            raise ApiError(503, str(exc), "server_error", code="shutting_down") from None
+        except EngineBusy as exc:
+            raise ApiError(503, str(exc), "server_error", code="server_busy") from None
+
+    async def complete(self, http: HttpRequest, chat: bool) -> Any:
+        """One chat or text completion: validated, queued, then streamed or collected."""
+        self.authorize(http)
+        body = await _json_body(await http.body(), _ChatBody if chat else _CompletionBody)
+        self.check_model(body.model)
+        body.unsupported()
+        if isinstance(body, _ChatBody):
+            prompt = await run_in_threadpool(self.chat_prompt, body)
+            requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            limit = self.max_tokens(body, len(prompt), requested, None)
+        else:
+            prompt = await run_in_threadpool(self.completion_prompt, body)
+            limit = self.max_tokens(body, len(prompt), body.max_tokens, 16)
+        request, events = await self.submit(prompt, body, limit)
+        reply = _Reply(chat, self.model_id, prompt, TextStream(self.tokenizer, prompt, body.stops()))
+        try:
+            first = await _next_event(events, http)
+        except BaseException:
+            request.cancel()
+            raise
+        if first is None:
+            request.cancel()
+            return Response(status_code=499)   # the client is gone; nobody reads this
+        if first.kind != "token":
+            raise _failure(first)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _EventStream(_stream(request, events, first, reply, include_usage), request)
+        try:
+            return await reply.collect(first, events, http)
+        finally:
+            request.cancel()
+
+
 def create_app(engine: Engine, tokenizer: Any, *, model_id: str, api_key: str | None = None) -> Any:
     """The FastAPI application serving ``engine`` (already started) as ``model_id``."""
     app = FastAPI(title="colibri serve", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+    api = _Api(engine, tokenizer, model_id, api_key)
     app.state.engine = engine
 
     def error(exc: ApiError) -> Any:
@@ -184,205 +344,94 @@ def create_app(engine: Engine, tokenizer: Any, *, model_id: str, api_key: str | 
     async def _crash(request: HttpRequest, exc: Exception) -> Any:
         return error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
-    def authorize(request: HttpRequest) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
-
-    def check_model(name: str) -> None:
-        if name != model_id:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_id}'",
-                           param="model", code="model_not_found")
-
-    def model_card() -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "colibri"}
-
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> Any:
-        authorize(request)
-        return {"object": "list", "data": [model_card()]}
+        api.authorize(request)
+        return {"object": "list", "data": [api.model_card()]}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str, request: HttpRequest) -> Any:
-        authorize(request)
-        check_model(name)
-        return model_card()
+        api.authorize(request)
+        api.check_model(name)
+        return api.model_card()
 
     @app.get("/health")
     async def health() -> Any:
-        stats = engine.stats()
-        ok = engine.alive and not engine.store.closed and engine.accepting
-        body = {"status": "ok" if ok else "unavailable", "model": model_id,
-                "running": stats.running, "waiting": stats.waiting}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return api.health()
 
     @app.get("/metrics")
     async def metrics() -> Any:
         return PlainTextResponse(render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def max_tokens(body: _Common, prompt_len: int, requested: int | None, default: int | None) -> int:
-        limit = engine.context - prompt_len
-        if prompt_len >= engine.context:
-            raise ApiError(400, f"This model's maximum context length is {engine.context} tokens, and "
-                           f"the prompt is {prompt_len} tokens; shorten the prompt",
-                           param="messages" if isinstance(body, _ChatBody) else "prompt",
-                           code="context_length_exceeded")
-        if requested is None:
-            return limit if default is None else min(default, limit)
-        if requested < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens",
-                           code="invalid_value")
-        if requested > limit:
-            raise ApiError(400, f"This model's maximum context length is {engine.context} tokens. "
-                           f"However, you requested {prompt_len + requested} tokens ({prompt_len} in "
-                           f"the prompt, {requested} in the completion); reduce max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
-        return requested
-
-    def chat_prompt(body: _ChatBody) -> list[int]:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, f"the model '{model_id}' has no chat template: use /v1/completions",
-                           param="messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:   # the template itself refuses (e.g. roles out of order)
-            raise ApiError(400, f"the chat template refused these messages: {exc}",
-                           param="messages") from None
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def completion_prompt(body: _CompletionBody) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-            vocab = len(tokenizer)
-            if any(not 0 <= int(x) < vocab for x in prompt):
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            return [int(x) for x in prompt]
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request (a list of one string, or a string)",
-                               param="prompt")
-            return list(tokenizer(str(prompt[0]))["input_ids"])
-        return list(tokenizer(prompt)["input_ids"])
-
-    async def submit(prompt: list[int], body: _Common, limit: int) -> tuple[Request, asyncio.Queue[Event]]:
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        sampling = Sampling(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        try:
-            return engine.submit(prompt, sampling, sink), events
-        except ValueError as exc:     # the engine's own check of prompt and max_tokens
-            raise ApiError(400, str(exc), code="context_length_exceeded") from None
-        except EngineClosed as exc:
-            raise ApiError(503, str(exc), "server_error", code="shutting_down") from None
-        except EngineBusy as exc:
-            raise ApiError(503, str(exc), "server_error", code="server_busy") from None
-
-    def failure(event: Event) -> ApiError:
-        exc = event.error
-        if event.kind == "done":    # cancelled by the server itself: it is stopping
-            return ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
-        if isinstance(exc, ExpertLoadError):
-            return ApiError(500, f"reading an expert failed: {exc}", "server_error", code="expert_load_error")
-        if isinstance(exc, EngineClosed):
-            return ApiError(503, str(exc), "server_error", code="shutting_down")
-        kind = type(exc).__name__ if exc is not None else "error"
-        return ApiError(500, f"generation failed: {kind}: {exc}", "server_error",
-                        code="colibri_error" if isinstance(exc, ColibriError) else "internal_error")
-
-    async def next_event(events: asyncio.Queue[Event], http: HttpRequest) -> Event | None:
-        """The next engine event, or None once the client has gone away."""
-        while True:
-            try:
-                return await asyncio.wait_for(events.get(), DISCONNECT_POLL)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return None
-
-    def usage(prompt: list[int], tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": len(prompt), "completion_tokens": tokens, "total_tokens": len(prompt) + tokens}
-
-    async def complete(http: HttpRequest, chat: bool) -> Any:
-        authorize(http)
-        body = await _json_body(await http.body(), _ChatBody if chat else _CompletionBody)
-        check_model(body.model)
-        body.unsupported()
-        if chat:
-            prompt = await run_in_threadpool(chat_prompt, body)
-            requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            limit = max_tokens(body, len(prompt), requested, None)
-        else:
-            prompt = await run_in_threadpool(completion_prompt, body)
-            limit = max_tokens(body, len(prompt), body.max_tokens, 16)
-        request, events = await submit(prompt, body, limit)
-        stream = TextStream(tokenizer, prompt, body.stops())
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        now = int(time.time())
-        try:
-            first = await next_event(events, http)
-        except BaseException:
-            request.cancel()
-            raise
-        if first is None:
-            request.cancel()
-            return Response(status_code=499)
-        if first.kind != "token":
-            raise failure(first)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = _stream(request, events, first, stream, chat=chat, rid=rid, now=now, model=model_id,
-                             prompt=prompt, include_usage=include_usage, failure=failure, usage=usage)
-            return _EventStream(chunks, request)
-        try:
-            tokens, reason = 0, None
-            event: Event | None = first
-            while reason is None:
-                if event is None:
-                    return Response(status_code=499)   # the client is gone; nobody reads this
-                if event.kind == "token":
-                    tokens += 1
-                    stream.push(int(event.token or 0))
-                    if stream.stopped:
-                        reason = "stop"
-                        break
-                elif event.kind == "done" and event.reason in ("stop", "length"):
-                    stream.finish()
-                    reason = event.reason
-                    break
-                else:
-                    raise failure(event)
-                event = await next_event(events, http)
-        finally:
-            request.cancel()
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": stream.text},
-                      "logprobs": None, "finish_reason": reason}
-            return {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
-                    "choices": [choice], "usage": usage(prompt, tokens)}
-        choice = {"index": 0, "text": stream.text, "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "text_completion", "created": now, "model": model_id,
-                "choices": [choice], "usage": usage(prompt, tokens)}
-
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Any:
-        return await complete(http, chat=True)
+        return await api.complete(http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Any:
-        return await complete(http, chat=False)
+        return await api.complete(http, chat=False)
 
     return app
+
+
+class _Reply:
+    """The OpenAI objects of one completion: whole, or chunk by chunk."""
+
+    def __init__(self, chat: bool, model: str, prompt: list[int], text: TextStream) -> None:
+        self.chat, self.model, self.prompt, self.text = chat, model, prompt, text
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.tokens = 0
+
+    def usage(self) -> dict[str, int]:
+        return _usage(self.prompt, self.tokens)
+
+    def add(self, event: Event) -> tuple[str, str | None]:
+        """Text to send for an event, and the finish reason once there is one
+        (raises the ApiError of an event that failed the request)."""
+        if event.kind == "token":
+            self.tokens += 1
+            piece = self.text.push(int(event.token or 0))
+            return piece, "stop" if self.text.stopped else None
+        if event.kind == "done" and event.reason in ("stop", "length"):
+            return self.text.finish(), event.reason
+        raise _failure(event)
+
+    async def collect(self, first: Event, events: asyncio.Queue[Event], http: HttpRequest) -> Any:
+        event: Event | None = first
+        while True:
+            if event is None:
+                return Response(status_code=499)   # the client is gone; nobody reads this
+            _, reason = self.add(event)
+            if reason is not None:
+                break
+            event = await _next_event(events, http)
+        head = {"id": self.id, "created": self.created, "model": self.model}
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": self.text.text},
+                                      "logprobs": None, "finish_reason": reason}
+            return {**head, "object": "chat.completion", "choices": [choice], "usage": self.usage()}
+        choice = {"index": 0, "text": self.text.text, "logprobs": None, "finish_reason": reason}
+        return {**head, "object": "text_completion", "choices": [choice], "usage": self.usage()}
+
+    def chunk(self, text: str | None, reason: str | None, include_usage: bool, role: bool = False) -> bytes:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        data: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created,
+                                "model": self.model, "choices": [choice]}
+        if include_usage:
+            data["usage"] = None
+        return _sse(data)
+
+    def usage_chunk(self) -> bytes:
+        return _sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                     "choices": [], "usage": self.usage()})
 
 
 class _EventStream(StreamingResponse):
@@ -409,56 +458,29 @@ def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def _stream(request: Request, events: asyncio.Queue[Event], first: Event, stream: TextStream, *,
-                  chat: bool, rid: str, now: int, model: str, prompt: list[int], include_usage: bool,
-                  failure: Any, usage: Any) -> AsyncIterator[bytes]:
-    """The server-sent events of one streamed completion; cancels the request
-    when the client goes away (this generator is then cancelled or closed)."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(text: str | None, reason: str | None, role: bool = False) -> bytes:
-        if chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        data: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": model, "choices": [choice]}
-        if include_usage:
-            data["usage"] = None
-        return _sse(data)
-
+async def _stream(request: Request, events: asyncio.Queue[Event], first: Event, reply: _Reply,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """The server-sent events of one streamed completion: text chunks, the
+    finish reason, usage if asked, ``[DONE]``; or an error event."""
     try:
-        if chat:
-            yield chunk("", None, role=True)
-        tokens, event = 0, first
+        if reply.chat:
+            yield reply.chunk("", None, include_usage, role=True)
+        event = first
         while True:
-            if event.kind == "token":
-                tokens += 1
-                piece = stream.push(int(event.token or 0))
-                if piece:
-                    yield chunk(piece, None)
-                if stream.stopped:
-                    reason = "stop"
-                    break
-            elif event.kind == "done" and event.reason in ("stop", "length"):
-                rest = stream.finish()
-                if rest:
-                    yield chunk(rest, None)
-                reason = event.reason
-                break
-            else:
-                yield _sse(failure(event).body())
+            try:
+                piece, reason = reply.add(event)
+            except ApiError as exc:
+                yield _sse(exc.body())
                 return
+            if piece:
+                yield reply.chunk(piece, None, include_usage)
+            if reason is not None:
+                break
             event = await events.get()
         request.cancel()
-        yield chunk(None if chat else "", reason)
+        yield reply.chunk(None if reply.chat else "", reason, include_usage)
         if include_usage:
-            yield _sse({"id": rid, "object": obj, "created": now, "model": model, "choices": [],
-                        "usage": usage(prompt, tokens)})
+            yield reply.usage_chunk()
         yield b"data: [DONE]\n\n"
     finally:
         request.cancel()
