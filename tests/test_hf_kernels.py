@@ -200,3 +200,21 @@ def test_a_union_past_the_cache_streams_through_half_of_it(ckpt: Callable[[str],
 def test_bad_kernels_option(ckpt: Callable[[str], str]) -> None:
     with pytest.raises(colibri.FormatError, match="kernels must be one of native, torch"):
         hf.from_pretrained(ckpt("bf16"), kernels="numpy")
+
+
+def test_gating_the_kernels_lack_takes_the_torch_path() -> None:
+    from colibri.hf.runtime import _kernel_activation
+
+    class Silu(torch.nn.Module):
+        def __init__(self, act: Any) -> None:
+            super().__init__()
+            self.act_fn = act
+
+    class OwnGate(Silu):
+        def _apply_gate(self, gate_up: Any) -> Any:
+            return gate_up
+
+    assert _kernel_activation(Silu(torch.nn.SiLU())) == ("silu", 1.702, 7.0)
+    assert _kernel_activation(Silu(transformers.activations.ACT2FN["silu"]))[0] == "silu"
+    assert _kernel_activation(Silu(torch.nn.GELU())) is None
+    assert _kernel_activation(OwnGate(torch.nn.SiLU())) is None

@@ -104,6 +104,8 @@ class Runtime:
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
         self.routing: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self._predicted: dict[int, tuple[int, ...]] = {}
+        # Each layer's kernel activation (None: the torch path), asked once.
+        self._activations: dict[int, tuple[str, float, float] | None] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -142,7 +144,7 @@ class Runtime:
             pilot.observe(layer, pairs.union)
         # A union larger than the cache streams through it (LayerStream).
         stream = LayerStream(store, layer, self._order(layer, pairs.union))
-        kernel = self._kernel_of(module)
+        kernel = self._kernel_of(layer, module)
         if kernel is None:
             out = self._forward_torch(module, layer, hidden_states, top_k_weights, pairs, stream)
         else:
@@ -152,16 +154,15 @@ class Runtime:
                                         pairs.tokens, len(pairs.union), len(stream)))
         return out
 
-    def _kernel_of(self, module: Any) -> tuple[str, float, float] | None:
+    def _kernel_of(self, layer: int, module: Any) -> tuple[str, float, float] | None:
         """How the native kernel computes ``module``'s experts: (activation,
         alpha, limit), or None for the torch path (kernels="torch", or gating
-        the kernels do not have)."""
+        the kernels do not have). Asked once per layer."""
         if self.kernels == "torch":
             return None
-        found = _ACTIVATIONS.get(type(module))
-        if found is None:
-            found = _ACTIVATIONS[type(module)] = _kernel_activation(module)
-        return found
+        if layer not in self._activations:
+            self._activations[layer] = _kernel_activation(module)
+        return self._activations[layer]
 
     def _predict(self, layer: int, hidden_states: Any) -> None:
         pilot = self.pilot
@@ -257,10 +258,6 @@ class _Pairs:
         flat = [t * self.k + j for e in order for t, j in zip(*self.rows[e])]
         counts = np.fromiter((len(self.rows[e][0]) for e in order), dtype=np.int64, count=len(order))
         return torch.tensor(flat, dtype=torch.int64), counts
-
-
-# The kernel's activation of each experts module class (None: the torch path).
-_ACTIVATIONS: dict[type, tuple[str, float, float] | None] = {}
 
 
 def _kernel_activation(module: Any) -> tuple[str, float, float] | None:
