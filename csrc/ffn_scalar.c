@@ -8,14 +8,16 @@
  * then applies it to every token of the batch in loops the compiler can
  * vectorise with the baseline instruction set.
  *
- * Sums (see ffn_internal.h):
+ * Sums (see ffn_internal.h), in double (a float product is exact in it),
+ * rounded to float at the end: the reference the SIMD paths are held to,
+ * more exact than they are where an activation amplifies the error of its
+ * input (silu(g) for g near -50 is e^g to within the error of g times 50).
  *   DOT  (stored (out, in)): weight w_k = the dequantized value, rounded once
- *        ((q - z) * s, e2m1 * 2^e, fp8 * scale); input k adds w_k * x_k to
- *        lane k mod 16 of the output's 16 running sums, in input order; the
- *        lanes are then added as a tree (lane_sum).
+ *        to float ((q - z) * s, e2m1 * 2^e, fp8 * scale); input k adds
+ *        w_k * x_k to lane k mod 16 of the output's 16 running sums, in
+ *        input order; the lanes are then added as a tree (lane_sum).
  *   AXPY (stored (in, out)): one running sum per output, adding w_k * x_k in
  *        input order.
- * Products and sums round separately (C11 does not contract them).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -209,11 +211,11 @@ static void axpy_row(const ColiFfnMat *m, int64_t k, int64_t n0, int64_t n, cons
 enum { LANES = 16 };
 
 /* The sum of a DOT output's lanes, as a tree. */
-static float lane_sum(const float *a) {
-    float s[LANES / 2];
+static float lane_sum(const double *a) {
+    double s[LANES / 2];
     for (int l = 0; l < LANES / 2; l++) s[l] = a[l] + a[l + LANES / 2];
     for (int l = 0; l < LANES / 4; l++) s[l] += s[l + LANES / 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
+    return (float)((s[0] + s[2]) + (s[1] + s[3]));
 }
 
 static size_t dot_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
@@ -229,9 +231,9 @@ static void dot_run(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
         coli_ffn_dot_row(m, o, w);
         for (int t = 0; t < task->tokens; t++) {
             const float *x = (const float *)task->x + t * task->ldx;
-            float a[LANES] = {0};
+            double a[LANES] = {0};
             for (int64_t k = 0; k < kp; k += LANES)
-                for (int l = 0; l < LANES; l++) a[l] += w[k + l] * x[k + l];
+                for (int l = 0; l < LANES; l++) a[l] += (double)w[k + l] * x[k + l];
             task->dst[t * task->ld_dst + o] = lane_sum(a);
         }
     }
@@ -239,26 +241,27 @@ static void dot_run(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
 
 static size_t axpy_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
     (void)m;
-    return sizeof(float) * (size_t)((n1 - n0) * (3 + tokens));
+    return sizeof(double) * (size_t)((n1 - n0) * (3 + tokens));
 }
 
 static void axpy_run(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
     int64_t n = n1 - n0;
-    float *w = (float *)task->scratch, *z = w + n, *s = z + n, *acc = s + n;
+    double *acc = (double *)task->scratch;
+    float *w = (float *)(acc + n * task->tokens), *z = w + n, *s = z + n;
     int quant = m->format == COLI_TENSOR_INT4_GPTQ || m->format == COLI_TENSOR_INT4_AWQ;
-    memset(acc, 0, sizeof(float) * (size_t)(n * task->tokens));
+    memset(acc, 0, sizeof(double) * (size_t)(n * task->tokens));
     int64_t have = -1;  /* the group whose parameters z and s hold */
     for (int64_t k = 0; k < m->n_in; k++) {
         int64_t g = quant ? coli_ffn_group_of(m, k) : -1;
         if (quant && g != have) quant_params(m, have = g, n0, n, z, s);
         axpy_row(m, k, n0, n, z, s, w);
         for (int t = 0; t < task->tokens; t++) {
-            float xv = ((const float *)task->x)[t * task->ldx + k], *a = acc + t * n;
+            double xv = ((const float *)task->x)[t * task->ldx + k], *a = acc + t * n;
             for (int64_t c = 0; c < n; c++) a[c] += w[c] * xv;
         }
     }
     for (int t = 0; t < task->tokens; t++)
-        memcpy(task->dst + t * task->ld_dst + n0, acc + t * n, sizeof(float) * (size_t)n);
+        for (int64_t c = 0; c < n; c++) task->dst[t * task->ld_dst + n0 + c] = (float)acc[t * n + c];
 }
 
 static const ColiFfnKernel DOT_SCALAR = {"scalar", COLI_FFN_X_F32, COLI_FFN_ORDER_PLAIN, 0, 1,

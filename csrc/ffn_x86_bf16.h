@@ -20,10 +20,10 @@
  * Sums, per (token, output) and input part (high, low):
  *   DIRECT (MXFP4): vector n (A of block b is n = 2b, B is 2b + 1) adds
  *     into chain n mod 4 with vdpbf16ps.
- *   GROUP (int4, groups a multiple of 64): per group g, p = 0 then p =
- *     vdpbf16ps(p, w, x) over its vectors in order; chain g mod 4 = fma(p,
- *     scale, chain).
- *   BLOCK (int4, groups 32 mod 64): the same per block b (two vectors),
+ *   GROUP (int4, groups a multiple of 64): per group g, pa = 0 then pa =
+ *     vdpbf16ps(pa, w, x) over its A vectors in order, pb the same over its
+ *     B vectors; chain g mod 4 = fma(pa + pb, scale, chain).
+ *   BLOCK (int4, groups 32 mod 64): the same per block b (one A, one B),
  *     lanes 0..7 scaled by the first half's group, 8..15 by the second's.
  * Result: the lane tree of the parts' ((c0 + c1) + (c2 + c3)) added (high
  * + low). Every batch runs the same row function, TB tokens at a time.
@@ -115,9 +115,9 @@ BF16 INLINE __m256i bf_bytes(const BfInfo *d, const uint8_t *row, int64_t blk) {
             __m512i tab_ = bf_int4_table(z[ga_], z[gb_]);                                    \
             __m512 sc_ = _mm512_set1_ps(s[ga_]);                                             \
             if (MODE == BF_BLOCK) sc_ = _mm512_mask_mov_ps(sc_, 0xff00, _mm512_set1_ps(s[gb_])); \
-            __m512 p_[NS][TB];                                                               \
+            __m512 p_[NS][TB], q_[NS][TB];                                                   \
             UNROLL for (int s_ = 0; s_ < NS; s_++)                                           \
-                UNROLL for (int t = 0; t < TB; t++) p_[s_][t] = _mm512_setzero_ps();         \
+                UNROLL for (int t = 0; t < TB; t++) p_[s_][t] = q_[s_][t] = _mm512_setzero_ps(); \
             UNROLL for (int i_ = 0; i_ < (MODE == BF_GROUP ? per_ : 1); i_++) {               \
                 __m512i a_, b_;                                                              \
                 int64_t blk_ = b0_ + i_;                                                     \
@@ -128,13 +128,14 @@ BF16 INLINE __m256i bf_bytes(const BfInfo *d, const uint8_t *row, int64_t blk) {
                         const uint16_t *xt = x + t * ldx + s_ * part + COLI_FFN_BLOCK * blk_; \
                         p_[s_][t] = _mm512_dpbf16_ps(p_[s_][t], (__m512bh)a_,                \
                                                      (__m512bh)_mm512_loadu_si512(xt));      \
-                        p_[s_][t] = _mm512_dpbf16_ps(p_[s_][t], (__m512bh)b_,                \
+                        q_[s_][t] = _mm512_dpbf16_ps(q_[s_][t], (__m512bh)b_,                \
                                                      (__m512bh)_mm512_loadu_si512(xt + 32)); \
                     }                                                                        \
             }                                                                                \
             UNROLL for (int s_ = 0; s_ < NS; s_++)                                           \
                 UNROLL for (int t = 0; t < TB; t++)                                          \
-                    c[s_][t][J] = _mm512_fmadd_ps(p_[s_][t], sc_, c[s_][t][J]);              \
+                    c[s_][t][J] = _mm512_fmadd_ps(_mm512_add_ps(p_[s_][t], q_[s_][t]), sc_,   \
+                                                  c[s_][t][J]);                              \
         }                                                                                    \
     } while (0)
 
@@ -209,11 +210,21 @@ static size_t bf_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
 
 /* Row o's scales and zero points: per group (GROUP), per half block (BLOCK). */
 static void bf_params(const ColiFfnMat *m, int mode, int64_t o, float *s, float *z) {
-    int64_t n = mode == BF_GROUP ? m->groups : 2 * ((m->n_in + COLI_FFN_BLOCK - 1) / COLI_FFN_BLOCK);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t k = mode == BF_GROUP ? i * m->group : 32 * i, g = k / m->group;
-        s[i] = k < m->n_in ? coli_ffn_scale(m, o * m->groups + g) : 0.0f;
-        z[i] = k < m->n_in ? (float)coli_ffn_zero_at(m, o, g) : 0.0f;
+    if (mode == BF_GROUP) {
+        for (int64_t g = 0; g < m->groups; g++) {
+            s[g] = coli_ffn_scale_at(m, o * m->groups + g);
+            z[g] = (float)coli_ffn_zero_at(m, o, g);
+        }
+        return;
+    }
+    int64_t n = 2 * ((m->n_in + COLI_FFN_BLOCK - 1) / COLI_FFN_BLOCK), g = 0, left = m->group;
+    for (int64_t i = 0; i < n; i++) {  /* halves of 32 inputs; a group is a whole number of them */
+        s[i] = 32 * i < m->n_in ? coli_ffn_scale_at(m, o * m->groups + g) : 0.0f;
+        z[i] = 32 * i < m->n_in ? (float)coli_ffn_zero_at(m, o, g) : 0.0f;
+        if ((left -= 32) == 0) {
+            g++;
+            left = m->group;
+        }
     }
 }
 
@@ -236,11 +247,17 @@ BF16 static void bf_decode_rows(const BfInfo *d, int64_t o0, int nr, uint16_t *t
         const uint8_t *row = m->data + (o0 + r) * d->row_bytes;
         const float *zr = z + r * zl;
         __m512i tab = _mm512_setzero_si512();
-        for (int64_t b = 0; b < d->blocks; b++) {
+        for (int64_t b = 0, g = 0, left = 0; b < d->blocks; b++) {
             __m512i a, bb;
-            if (d->mode == BF_DIRECT) tab = bf_mx_table(d, o0 + r, b);
-            else if (d->mode == BF_BLOCK) tab = bf_int4_table(zr[2 * b], zr[2 * b + 1]);
-            else if (b % per == 0) tab = bf_int4_table(zr[b / per], zr[b / per]);
+            if (d->mode == BF_DIRECT) {
+                tab = bf_mx_table(d, o0 + r, b);
+            } else if (d->mode == BF_BLOCK) {
+                tab = bf_int4_table(zr[2 * b], zr[2 * b + 1]);
+            } else if (left-- == 0) {  /* a group's first block */
+                tab = bf_int4_table(zr[g], zr[g]);
+                g++;
+                left = per - 1;
+            }
             bf_decode(bf_bytes(d, row, b), tab, d->mode == BF_GROUP, &a, &bb);
             _mm512_storeu_si512(w + 64 * b, a);
             _mm512_storeu_si512(w + 64 * b + 32, bb);
@@ -288,23 +305,28 @@ BT_DIRECT(4)
             UNROLL for (int t = 0; t < TB; t++)                                              \
                 UNROLL for (int r = 0; r < 2; r++) a[t][r] = _mm512_setzero_ps();            \
             for (int64_t u = j; u < units; u += 4) {                                         \
-                __m512 p[TB][2];                                                             \
-                UNROLL for (int t = 0; t < TB; t++)                                          \
-                    UNROLL for (int r = 0; r < 2; r++) p[t][r] = _mm512_setzero_ps();        \
-                for (int64_t n = u * vpu; n < (u + 1) * vpu; n++) {                          \
-                    __m512bh w[2];                                                           \
-                    UNROLL for (int r = 0; r < 2; r++)                                       \
-                        w[r] = (__m512bh)_mm512_loadu_si512(tile + (r0 + r) * ld + 32 * n);  \
-                    UNROLL for (int t = 0; t < TB; t++) {                                    \
-                        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * ldx + 32 * n);    \
-                        UNROLL for (int r = 0; r < 2; r++) p[t][r] = _mm512_dpbf16_ps(p[t][r], w[r], xv); \
+                __m512 p[2][TB][2];  /* A vectors, B vectors */                              \
+                UNROLL for (int h = 0; h < 2; h++)                                           \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        UNROLL for (int r = 0; r < 2; r++) p[h][t][r] = _mm512_setzero_ps(); \
+                for (int64_t n = u * vpu; n < (u + 1) * vpu; n += 2) {                       \
+                    UNROLL for (int h = 0; h < 2; h++) {                                     \
+                        __m512bh w[2];                                                       \
+                        UNROLL for (int r = 0; r < 2; r++)                                   \
+                            w[r] = (__m512bh)_mm512_loadu_si512(tile + (r0 + r) * ld + 32 * (n + h)); \
+                        UNROLL for (int t = 0; t < TB; t++) {                                \
+                            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * ldx + 32 * (n + h)); \
+                            UNROLL for (int r = 0; r < 2; r++)                               \
+                                p[h][t][r] = _mm512_dpbf16_ps(p[h][t][r], w[r], xv);         \
+                        }                                                                    \
                     }                                                                        \
                 }                                                                            \
                 UNROLL for (int r = 0; r < 2; r++) {                                         \
                     const float *sr = s + (r0 + r) * sl;                                     \
                     __m512 sc = _mm512_set1_ps(sr[block ? 2 * u : u]);                       \
                     if (block) sc = _mm512_mask_mov_ps(sc, 0xff00, _mm512_set1_ps(sr[2 * u + 1])); \
-                    UNROLL for (int t = 0; t < TB; t++) a[t][r] = _mm512_fmadd_ps(p[t][r], sc, a[t][r]); \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        a[t][r] = _mm512_fmadd_ps(_mm512_add_ps(p[0][t][r], p[1][t][r]), sc, a[t][r]); \
                 }                                                                            \
             }                                                                                \
             UNROLL for (int t = 0; t < TB; t++)                                              \

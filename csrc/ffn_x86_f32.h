@@ -391,17 +391,30 @@ static int FN(ax_lanes)(const FN(AxInfo) *a, int64_t v) {
 
 /* Per-output zero points then scales of group g, in sum order (zeros past
  * the range's end), 2 * ldp floats. */
-static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs) {
+TGT static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs) {
+    const ColiFfnMat *m = a->m;
     memset(zs, 0, sizeof(float) * (size_t)(2 * a->ldp));
+    const uint8_t *zrow = m->zeros + g * (m->n_out / 8) * 4;
+    int64_t s0 = g * m->n_out + a->c0;
     for (int64_t c = 0; c < a->n; c++) {
-        int64_t i = FN(ax_index)(a, c);
-        zs[i] = (float)coli_ffn_zero_at(a->m, a->c0 + c, g);
-        zs[a->ldp + i] = coli_ffn_scale(a->m, g * a->m->n_out + a->c0 + c);
+        int64_t i = FN(ax_index)(a, c), col = a->c0 + c;
+        int nib = a->awq ? COLI_AWQ_NIBBLE[col % 8] : (int)(col % 8);
+        zs[i] = (float)(((zrow[4 * (col / 8) + nib / 2] >> (4 * (nib & 1))) & 0xf) + m->zero_plus_one);
+        uint16_t h;
+        switch (m->scale_format) {
+        case COLI_SCALE_F16:
+            memcpy(&h, m->scales + 2 * (s0 + c), sizeof h);
+            zs[a->ldp + i] = _cvtsh_ss(h);
+            break;
+        case COLI_SCALE_BF16:
+        case COLI_SCALE_F32: zs[a->ldp + i] = coli_ffn_scale_at(m, s0 + c); break;
+        default: zs[a->ldp + i] = coli_ffn_scale(m, s0 + c); break;
+        }
     }
 }
 
 /* Stored row r's bytes under sum vector v (GPTQ: word row r). */
-static const uint8_t *FN(ax_at)(const FN(AxInfo) *a, int64_t r, int64_t v) {
+TGT INLINE const uint8_t *FN(ax_at)(const FN(AxInfo) *a, int64_t r, int64_t v) {
     const ColiFfnMat *m = a->m;
     if (a->awq) return m->data + (r * (m->n_out / 8) + a->c0 / 8 + (v / 8) * L) * 4;
     return m->data + (r * m->n_out + a->c0 + v * L) * a->eb;
@@ -449,13 +462,14 @@ TGT INLINE VF FN(ax_weight)(const FN(AxInfo) *a, int64_t k, int64_t v, const flo
  * vector of the range. */
 #define AX_GROUP_STREAM(TB)                                                                  \
     TGT static void FN(ax_group_stream_##TB)(const FN(AxInfo) *a, int64_t k0, int64_t k1,  \
-                                             const float *x, int64_t ldx, float *p) {       \
+                                             int64_t v0, const float *x, int64_t ldx,       \
+                                             float *p) {                                     \
         int64_t ldp = a->ldp;                                                                \
         for (int64_t k = k0; k < k1;) {                                                      \
             int64_t r = a->gptq ? k / 8 : k;                                                 \
             int j0 = a->gptq ? (int)(k % 8) : 0;                                             \
             int j1 = a->gptq ? (int)(k1 - 8 * r < 8 ? k1 - 8 * r : 8) : (k1 - k < 4 ? 1 : 4); \
-            for (int64_t v = 0; v < a->nv; v++) {                                            \
+            for (int64_t v = v0; v < a->nv; v++) {                                           \
                 FN(ax_prefetch)(a, r, v);                                                    \
                 VF q[8];                                                                     \
                 int nq = j1 - j0;                                                            \
@@ -492,6 +506,83 @@ AX_GROUP_STREAM(2)
 AX_GROUP_STREAM(3)
 AX_GROUP_STREAM(4)
 #undef AX_GROUP_STREAM
+
+TGT static void FN(ax_group_stream_tail)(const FN(AxInfo) *a, int64_t k0, int64_t k1, int64_t v0,
+                                         const float *x, int64_t ldx, float *p, int tb) {
+    switch (tb) {
+    case 1: FN(ax_group_stream_1)(a, k0, k1, v0, x, ldx, p); break;
+    case 2: FN(ax_group_stream_2)(a, k0, k1, v0, x, ldx, p); break;
+    case 3: FN(ax_group_stream_3)(a, k0, k1, v0, x, ldx, p); break;
+    default: FN(ax_group_stream_4)(a, k0, k1, v0, x, ldx, p); break;
+    }
+}
+
+/* GROUPED, streaming, whole words and vectors (GPTQ with groups of 8k
+ * inputs, AWQ): the same sums as ax_group_stream without a per-vector
+ * lane count or mask; vectors past nvf (a partial one) go the slow way. */
+#define AX_FAST_STREAM(TB)                                                                   \
+    TGT static void FN(ax_fast_stream_##TB)(const FN(AxInfo) *a, int64_t k0, int64_t k1,   \
+                                            int64_t nvf, const float *x, int64_t ldx, float *p) { \
+        const ColiFfnMat *m = a->m;                                                          \
+        int64_t ldp = a->ldp;                                                                \
+        if (a->gptq) {                                                                       \
+            const int64_t rs = m->n_out * 4;                                                 \
+            for (int64_t r = k0 / 8; r < k1 / 8; r++) {                                      \
+                const uint8_t *row = m->data + r * rs + a->c0 * 4;                           \
+                const float *xk = x + 8 * r;                                                 \
+                for (int64_t v = 0; v < nvf; v++) {                                          \
+                    if ((v * L * 4) % 64 == 0)                                               \
+                        _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
+                    VI words = vload_words(row + v * L * 4, L);                              \
+                    VF q[8];                                                                 \
+                    UNROLL for (int j = 0; j < 8; j++) q[j] = FN(ax_nib)(words, j);          \
+                    UNROLL for (int t = 0; t < TB; t++) {                                    \
+                        VF s = vload(p + t * ldp + v * L);                                   \
+                        UNROLL for (int j = 0; j < 8; j++) s = vfma(q[j], vset1(xk[t * ldx + j]), s); \
+                        vstore(p + t * ldp + v * L, s);                                      \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+            return;                                                                          \
+        }                                                                                    \
+        const int64_t rs = m->n_out / 2;                                                     \
+        for (int64_t k = k0; k < k1; k += 4) {                                               \
+            int nr = k1 - k < 4 ? (int)(k1 - k) : 4;                                         \
+            const uint8_t *row = m->data + k * rs + a->c0 / 2;                               \
+            for (int64_t sg = 0; sg < nvf / 8; sg++) {                                       \
+                VI w[4];                                                                     \
+                for (int i = 0; i < nr; i++) {                                               \
+                    _mm_prefetch((const char *)row + (i + a->ahead) * rs + sg * L * 4, _MM_HINT_T0); \
+                    w[i] = vload_words(row + i * rs + sg * L * 4, L);                        \
+                }                                                                            \
+                UNROLL for (int n = 0; n < 8; n++) {                                         \
+                    float *pv = p + (8 * sg + n) * L;                                        \
+                    if (nr == 4) {                                                           \
+                        VF q[4];                                                             \
+                        UNROLL for (int i = 0; i < 4; i++) q[i] = FN(ax_nib)(w[i], n);       \
+                        UNROLL for (int t = 0; t < TB; t++) {                                \
+                            VF s = vload(pv + t * ldp);                                      \
+                            UNROLL for (int i = 0; i < 4; i++)                               \
+                                s = vfma(q[i], vset1(x[t * ldx + k + i]), s);                \
+                            vstore(pv + t * ldp, s);                                         \
+                        }                                                                    \
+                    } else {                                                                 \
+                        for (int i = 0; i < nr; i++) {                                       \
+                            VF q = FN(ax_nib)(w[i], n);                                      \
+                            UNROLL for (int t = 0; t < TB; t++)                              \
+                                vstore(pv + t * ldp, vfma(q, vset1(x[t * ldx + k + i]),      \
+                                                          vload(pv + t * ldp)));             \
+                        }                                                                    \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+AX_FAST_STREAM(1)
+AX_FAST_STREAM(2)
+AX_FAST_STREAM(3)
+AX_FAST_STREAM(4)
+#undef AX_FAST_STREAM
 
 /* SINGLE, streaming: every input added into acc (TB rows of ldp); zs: the
  * act-order parameters of every group (2 * ldp floats each), or NULL. */
@@ -560,6 +651,26 @@ AX_TILE(2)
 
 TGT static void FN(ax_decode_tile)(const FN(AxInfo) *a, int64_t k0, int kc, const float *zs,
                                    float *tile) {
+    const ColiFfnMat *m = a->m;
+    if (a->grouped && a->nv == FN(AX_PANEL) && FN(ax_lanes)(a, a->nv - 1) == L &&
+        (a->awq || (k0 % 8 == 0 && kc % 8 == 0))) {  /* whole words, the fast way */
+        for (int j = 0; j < kc; j += a->gptq ? 8 : 1) {
+            const uint8_t *row = a->gptq ? m->data + ((k0 + j) / 8 * m->n_out + a->c0) * 4
+                                         : m->data + (k0 + j) * (m->n_out / 2) + a->c0 / 2;
+            if (a->gptq) {
+                UNROLL for (int v = 0; v < FN(AX_PANEL); v++) {
+                    VI words = vload_words(row + v * L * 4, L);
+                    UNROLL for (int i = 0; i < 8; i++)
+                        vstore(tile + ((j + i) * FN(AX_PANEL) + v) * L, FN(ax_nib)(words, i));
+                }
+            } else {
+                VI words = vload_words(row, L);
+                UNROLL for (int n = 0; n < 8; n++)
+                    vstore(tile + (j * FN(AX_PANEL) + n) * L, FN(ax_nib)(words, n));
+            }
+        }
+        return;
+    }
     for (int j = 0; j < kc; j++) {
         int64_t k = k0 + j;
         const float *zg = a->gptq && !a->grouped ? zs + 2 * a->ldp * coli_ffn_group_of(a->m, k) : NULL;
@@ -622,12 +733,19 @@ TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int ti
             const float *xt = x + t0 * task->ldx;
             float *s = sums + t0 * ldp;
             if (a->grouped) {
+                /* Whole vectors (AWQ: whole segments) and words the fast way,
+                 * a partial vector at the range's end the general way. */
+                int64_t nvf = a->awq ? FN(ax_lanes)(a, a->nv - 1) == L ? a->nv : a->nv - 8
+                                     : a->n / L;
+                int fast = !a->gptq || (k0 % 8 == 0 && k1 % 8 == 0);
+                if (!fast) nvf = 0;
                 switch (tb) {
-                case 1: FN(ax_group_stream_1)(a, k0, k1, xt, task->ldx, s); break;
-                case 2: FN(ax_group_stream_2)(a, k0, k1, xt, task->ldx, s); break;
-                case 3: FN(ax_group_stream_3)(a, k0, k1, xt, task->ldx, s); break;
-                default: FN(ax_group_stream_4)(a, k0, k1, xt, task->ldx, s); break;
+                case 1: FN(ax_fast_stream_1)(a, k0, k1, nvf, xt, task->ldx, s); break;
+                case 2: FN(ax_fast_stream_2)(a, k0, k1, nvf, xt, task->ldx, s); break;
+                case 3: FN(ax_fast_stream_3)(a, k0, k1, nvf, xt, task->ldx, s); break;
+                default: FN(ax_fast_stream_4)(a, k0, k1, nvf, xt, task->ldx, s); break;
                 }
+                if (nvf < a->nv) FN(ax_group_stream_tail)(a, k0, k1, nvf, xt, task->ldx, s, tb);
             } else {
                 switch (tb) {
                 case 1: FN(ax_single_stream_1)(a, xt, task->ldx, s, zs); break;
