@@ -587,14 +587,14 @@ AX_FAST_STREAM(4)
 /* SINGLE, streaming: every input added into acc (TB rows of ldp); zs: the
  * act-order parameters of every group (2 * ldp floats each), or NULL. */
 #define AX_SINGLE_STREAM(TB)                                                                 \
-    TGT static void FN(ax_single_stream_##TB)(const FN(AxInfo) *a, const float *x,          \
+    TGT static void FN(ax_single_stream_##TB)(const FN(AxInfo) *a, int64_t v0, const float *x, \
                                               int64_t ldx, float *acc, const float *zs) {    \
         const ColiFfnMat *m = a->m;                                                          \
         int64_t ldp = a->ldp;                                                                \
         for (int64_t k = 0; k < m->n_in; k++) {                                              \
             const float *zg = a->gptq ? zs + 2 * ldp * coli_ffn_group_of(m, k) : NULL;      \
             int64_t r = a->gptq ? k / 8 : k;                                                 \
-            for (int64_t v = 0; v < a->nv; v++) {                                            \
+            for (int64_t v = v0; v < a->nv; v++) {                                           \
                 if (!a->gptq || k % 8 == 0) FN(ax_prefetch)(a, r, v);                        \
                 VF w = FN(ax_weight)(a, k, v, zg);                                           \
                 UNROLL for (int t = 0; t < TB; t++)                                          \
@@ -608,6 +608,40 @@ AX_SINGLE_STREAM(2)
 AX_SINGLE_STREAM(3)
 AX_SINGLE_STREAM(4)
 #undef AX_SINGLE_STREAM
+
+/* SINGLE GPTQ with act order, whole vectors: a word row's eight inputs
+ * from one load, each weighted by its own group's parameters (the same
+ * sums as ax_single_stream). */
+#define AX_ACT_STREAM(TB)                                                                    \
+    TGT static void FN(ax_act_stream_##TB)(const FN(AxInfo) *a, int64_t nvf, const float *x, \
+                                           int64_t ldx, float *acc, const float *zs) {       \
+        const ColiFfnMat *m = a->m;                                                          \
+        const int64_t ldp = a->ldp, rs = m->n_out * 4;                                       \
+        for (int64_t r = 0; r < m->n_in / 8; r++) {                                          \
+            const uint8_t *row = m->data + r * rs + a->c0 * 4;                               \
+            const float *zg[8];                                                              \
+            UNROLL for (int j = 0; j < 8; j++) zg[j] = zs + 2 * ldp * coli_ffn_group_of(m, 8 * r + j); \
+            for (int64_t v = 0; v < nvf; v++) {                                              \
+                if ((v * L * 4) % 64 == 0)                                                   \
+                    _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
+                VI words = vload_words(row + v * L * 4, L);                                  \
+                VF w[8];                                                                     \
+                UNROLL for (int j = 0; j < 8; j++)                                           \
+                    w[j] = vmul(vsub(FN(ax_nib)(words, j), vload(zg[j] + v * L)),            \
+                                vload(zg[j] + ldp + v * L));                                 \
+                UNROLL for (int t = 0; t < TB; t++) {                                        \
+                    VF s = vload(acc + t * ldp + v * L);                                     \
+                    UNROLL for (int j = 0; j < 8; j++) s = vfma(w[j], vset1(x[t * ldx + 8 * r + j]), s); \
+                    vstore(acc + t * ldp + v * L, s);                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+AX_ACT_STREAM(1)
+AX_ACT_STREAM(2)
+AX_ACT_STREAM(3)
+AX_ACT_STREAM(4)
+#undef AX_ACT_STREAM
 
 /* acc = fma(p - z * xs, s, acc) for every token of a group. */
 TGT static void FN(ax_flush)(const FN(AxInfo) *a, const float *zs, const float *xs, int64_t ldxs,
@@ -747,12 +781,19 @@ TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int ti
                 }
                 if (nvf < a->nv) FN(ax_group_stream_tail)(a, k0, k1, nvf, xt, task->ldx, s, tb);
             } else {
-                switch (tb) {
-                case 1: FN(ax_single_stream_1)(a, xt, task->ldx, s, zs); break;
-                case 2: FN(ax_single_stream_2)(a, xt, task->ldx, s, zs); break;
-                case 3: FN(ax_single_stream_3)(a, xt, task->ldx, s, zs); break;
-                default: FN(ax_single_stream_4)(a, xt, task->ldx, s, zs); break;
-                }
+                int64_t nvf = a->gptq ? a->n / L : 0;  /* act order: whole vectors first */
+                if (nvf) switch (tb) {
+                    case 1: FN(ax_act_stream_1)(a, nvf, xt, task->ldx, s, zs); break;
+                    case 2: FN(ax_act_stream_2)(a, nvf, xt, task->ldx, s, zs); break;
+                    case 3: FN(ax_act_stream_3)(a, nvf, xt, task->ldx, s, zs); break;
+                    default: FN(ax_act_stream_4)(a, nvf, xt, task->ldx, s, zs); break;
+                    }
+                if (nvf < a->nv) switch (tb) {
+                    case 1: FN(ax_single_stream_1)(a, nvf, xt, task->ldx, s, zs); break;
+                    case 2: FN(ax_single_stream_2)(a, nvf, xt, task->ldx, s, zs); break;
+                    case 3: FN(ax_single_stream_3)(a, nvf, xt, task->ldx, s, zs); break;
+                    default: FN(ax_single_stream_4)(a, nvf, xt, task->ldx, s, zs); break;
+                    }
             }
         }
         for (int64_t k = k0; tiled && k < k1; k += FN(AX_CHUNK)) {
