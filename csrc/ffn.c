@@ -113,6 +113,14 @@ static const ColiFfnKernel *kernel_for(int isa, const ColiFfnMat *m, int input) 
     return k ? k : coli_ffn_kernel_scalar(m);
 }
 
+static const ColiFfnConv *conv_for(int isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa == COLI_FFN_ISA_AVX512) return &coli_ffn_conv_avx512;
+#endif
+    (void)isa;
+    return NULL;
+}
+
 static ColiFfnActFn act_for(int isa) {
 #if defined(__x86_64__) || defined(__i386__)
     if (isa == COLI_FFN_ISA_AVX512) return coli_ffn_act_avx512;
@@ -360,6 +368,7 @@ typedef struct {
     const ColiFfnExpert *e;
     const ColiFfnCall *c;
     ColiFfnActFn act;
+    const ColiFfnConv *conv;    /* the path's conversions, or NULL */
     ColiComputePool *pool;
     MatJob first[2];            /* gate, up (n_first 1 when fused) */
     int n_first;
@@ -392,8 +401,9 @@ static void group_sums(const float *row, int64_t n, int64_t group, float *out) {
         out[g] = coli_ffn_group_sum(row + k, n - k < group ? n - k : group);
 }
 
-/* Writes inputs [i0, i0 + n) of token t (values v, in order) the way in wants them. */
-static void put_values(const Input *in, int64_t t, int64_t i0, const float *v, int64_t n) {
+/* Writes inputs [i0, i0 + n) of token t (values v, in order) the way in
+ * wants them, one at a time. */
+static void put_each(const Input *in, int64_t t, int64_t i0, const float *v, int64_t n) {
     int order = in->k->x_order;
     if (in->k->x_type == COLI_FFN_X_F32) {
         float *dst = (float *)in->x + t * in->ldx;
@@ -411,9 +421,29 @@ static void put_values(const Input *in, int64_t t, int64_t i0, const float *v, i
     }
 }
 
+/* put_each, whole blocks through the path's conversion when it has one. */
+static void put_values(const Run *run, const Input *in, int64_t t, int64_t i0, const float *v,
+                       int64_t n) {
+    if (!run->conv || (in->k->x_type == COLI_FFN_X_F32 && in->k->x_order == COLI_FFN_ORDER_PLAIN)) {
+        put_each(in, t, i0, v, n);
+        return;
+    }
+    int64_t a = coli_ffn_round_up(i0, COLI_FFN_PAD), b = (i0 + n) / COLI_FFN_PAD * COLI_FFN_PAD;
+    if (a >= b) {
+        put_each(in, t, i0, v, n);
+        return;
+    }
+    put_each(in, t, i0, v, a - i0);
+    void *row = in->k->x_type == COLI_FFN_X_F32 ? (void *)((float *)in->x + t * in->ldx)
+                                                : (void *)((uint16_t *)in->x + t * in->ldx);
+    run->conv->put(in->k->x_type, in->k->x_order, v + (a - i0), a, (b - a) / COLI_FFN_PAD, row,
+                   in->ldx / 2);
+    put_each(in, t, b, v + (b - i0), i0 + n - b);
+}
+
 /* Writes one token's float inputs (natural order) the way in wants them. */
-static void put_input(const Input *in, int64_t t, const float *row, int64_t n) {
-    put_values(in, t, 0, row, n);
+static void put_input(const Run *run, const Input *in, int64_t t, const float *row, int64_t n) {
+    put_values(run, in, t, 0, row, n);
     if (in->xs) group_sums(row, n, in->m->group, in->xs + t * in->m->groups);
 }
 
@@ -427,9 +457,10 @@ static void load_inputs(const Run *run, float *row, int thread, int threads) {
             memcpy(row, (const float *)run->c->x + src_row, sizeof(float) * (size_t)run->hidden);
         } else {
             const uint16_t *src = (const uint16_t *)run->c->x + src_row;
-            for (int64_t i = 0; i < run->hidden; i++) row[i] = coli_bf16_to_f32(src[i]);
+            if (run->conv) run->conv->from_bf16(src, row, run->hidden);
+            else for (int64_t i = 0; i < run->hidden; i++) row[i] = coli_bf16_to_f32(src[i]);
         }
-        for (int i = 0; i < run->n_in; i++) put_input(&run->in[i], t, row, run->hidden);
+        for (int i = 0; i < run->n_in; i++) put_input(run, &run->in[i], t, row, run->hidden);
     }
 }
 
@@ -452,7 +483,7 @@ static void activate(const Run *run, float *tmp, int thread, int threads) {
             run->act(run->e->activation, run->e->alpha, run->e->limit, row + lo,
                      row + run->inter + lo, h, n);
         }
-        put_values(&run->h, t, lo, h, n);
+        put_values(run, &run->h, t, lo, h, n);
     }
 }
 
@@ -475,6 +506,10 @@ static void store_output(const Run *run, int64_t n0, int64_t n1) {
     const ColiFfnCall *c = run->c;
     for (int64_t t = 0; t < run->tokens; t++) {
         uint16_t *dst = (uint16_t *)c->out + (run->t0 + t) * c->out_stride;
+        if (run->conv) {
+            run->conv->to_bf16(run->y + t * run->hidden + n0, dst + n0, n1 - n0);
+            continue;
+        }
         for (int64_t n = n0; n < n1; n++) dst[n] = coli_f32_to_bf16(run->y[t * run->hidden + n]);
     }
 }
@@ -552,7 +587,7 @@ static int64_t input_floats(const Input *in) {
 
 /* Elements of a row of inputs (a split row has both parts). */
 static int64_t input_ld(const ColiFfnKernel *k, int64_t n) {
-    int64_t ld = (n + COLI_FFN_BLOCK - 1) / COLI_FFN_BLOCK * COLI_FFN_BLOCK;
+    int64_t ld = coli_ffn_round_up(n, COLI_FFN_PAD);
     return k->x_type == COLI_FFN_X_BF16_SPLIT ? 2 * ld : ld;
 }
 
@@ -622,6 +657,7 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
     run.e = e;
     run.c = c;
     run.act = act_for(isa);
+    run.conv = conv_for(isa);
     run.pool = pool;
     run.hidden = mats[0].n_in;
     run.inter = e->fused ? mats[0].n_out / 2 : mats[0].n_out;

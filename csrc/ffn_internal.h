@@ -28,7 +28,8 @@
 #include "ffn.h"
 
 enum {
-    COLI_FFN_BLOCK = 64,        /* inputs: layouts and zero padding work in blocks of this many */
+    COLI_FFN_BLOCK = 64,        /* inputs: EO64 and the DOT kernels work in blocks of this many */
+    COLI_FFN_PAD = 128,         /* rows of inputs are zero padded to a multiple of this many */
     COLI_FFN_CHAINS = 4,        /* SIMD DOT kernels: independent sums per (token, output) */
     COLI_FFN_STREAM_TOKENS = 4, /* batches of at most this many stream rows through registers */
     COLI_FFN_PREFETCH = 2048    /* streaming kernels prefetch this many bytes ahead */
@@ -39,14 +40,16 @@ enum {
  * as two bfloat16 parts, v's rounding then the rounding of the rest, each
  * row the high parts then the low ones (ldx / 2 apart). EO64: inside each
  * block of 64 inputs the 32 even ones first, in order, then the 32 odd
- * ones (what a byte's low and high nibbles hold). */
+ * ones (what a byte's low and high nibbles hold). Q128: inside each block
+ * of 128 inputs, input 4i + s at 32 s + i (the nibbles of 64 bytes read as
+ * 32 little-endian words: nibble s of word i is input 4i + s). */
 enum { COLI_FFN_X_F32 = 0, COLI_FFN_X_BF16 = 1, COLI_FFN_X_BF16_SPLIT = 2 };
 /* What a matrix multiplies, for the kernel choice: float32 inputs that
  * must stay exact (a float32 call), the call's bfloat16 tokens (gate and
  * up of a bfloat16 call), or the float activations of a bfloat16 call
  * (down), which may be split. */
 enum { COLI_FFN_INPUT_F32 = 0, COLI_FFN_INPUT_BF16 = 1, COLI_FFN_INPUT_ACT = 2 };
-enum { COLI_FFN_ORDER_PLAIN = 0, COLI_FFN_ORDER_EO64 = 1 };
+enum { COLI_FFN_ORDER_PLAIN = 0, COLI_FFN_ORDER_EO64 = 1, COLI_FFN_ORDER_Q128 = 2 };
 
 /* A matrix checked and described for the kernels: logical outputs x inputs
  * (what the stored rows and columns mean follows the orientation). */
@@ -69,7 +72,7 @@ typedef struct {
 /* One kernel call: outputs [n0, n1) of the matrix for every token. */
 typedef struct {
     const void *x;              /* tokens rows of ldx elements, in the kernel's type and order */
-    int64_t ldx;                /* elements; a multiple of COLI_FFN_BLOCK */
+    int64_t ldx;                /* elements; a multiple of COLI_FFN_PAD */
     const float *xs;            /* group_sums: token t's sum over group g at xs[t * ldxs + g] */
     int64_t ldxs;
     int tokens;
@@ -95,6 +98,19 @@ struct ColiFfnKernel {
 typedef void (*ColiFfnActFn)(int activation, float alpha, float limit, const float *g,
                              const float *u, float *h, int64_t n);
 
+/* A path's conversions for the driver (NULL members, or no table: the
+ * driver's portable loops; the results are the same bits). */
+typedef struct {
+    /* Inputs [i0, i0 + COLI_FFN_PAD * blocks) of one row of a kernel's
+     * inputs (i0 a multiple of COLI_FFN_PAD) from their values v in natural
+     * order: x_type and x_order as ColiFfnKernel's; half: the elements
+     * between a split row's high and low parts. */
+    void (*put)(int x_type, int x_order, const float *v, int64_t i0, int64_t blocks, void *row,
+                int64_t half);
+    void (*to_bf16)(const float *v, uint16_t *dst, int64_t n);     /* coli_f32_to_bf16 of each */
+    void (*from_bf16)(const uint16_t *src, float *dst, int64_t n);
+} ColiFfnConv;
+
 /* Each path's kernel for a matrix (NULL: the path has none, the scalar one
  * runs) and activation. input: COLI_FFN_INPUT_*. */
 const ColiFfnKernel *coli_ffn_kernel_scalar(const ColiFfnMat *m);
@@ -103,6 +119,7 @@ extern const ColiFfnActFn coli_ffn_act_scalar;
 const ColiFfnKernel *coli_ffn_kernel_avx2(const ColiFfnMat *m);
 const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input);
 extern const ColiFfnActFn coli_ffn_act_avx2, coli_ffn_act_avx512;
+extern const ColiFfnConv coli_ffn_conv_avx512;
 int coli_ffn_cpu_has_avx512_bf16(void);
 #endif
 #if defined(__aarch64__)
@@ -185,6 +202,7 @@ static inline int64_t coli_ffn_group_of(const ColiFfnMat *m, int64_t k) {
 /* The position of input k in its row under an order. */
 static inline int64_t coli_ffn_pos(int order, int64_t k) {
     if (order == COLI_FFN_ORDER_PLAIN) return k;
+    if (order == COLI_FFN_ORDER_Q128) return (k & ~(int64_t)127) + (k & 3) * 32 + ((k & 127) >> 2);
     return (k & ~(int64_t)63) + (k & 1) * 32 + ((k & 63) >> 1);
 }
 

@@ -334,6 +334,109 @@ AVX2 static void act256(int activation, float alpha, float limit, const float *g
 const ColiFfnActFn coli_ffn_act_avx512 = act512;
 const ColiFfnActFn coli_ffn_act_avx2 = act256;
 
+/* ------------------------------------------------------------ conversions */
+
+/* Word indices: EO64's (evens of 64, then odds) and Q128's (input 4i + s
+ * of the first 64 (i < 16) or of the second 64 (i >= 16), both from two
+ * vectors of 32). */
+static const uint16_t EO_EVEN[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                     32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+
+/* coli_f32_to_bf16 of 16 floats, as 32-bit lanes (the value in the high
+ * half, the low half zero). */
+AVX512 INLINE __m512i bf16_bits_512(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));  /* NaN: quiet */
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* 32 floats at v as 32 bfloat16 words, in order; lo (when not NULL): the
+ * words of the rounding of what is left of each (the split's low part). */
+AVX512 INLINE __m512i bf16_words_512(const float *v, __m512i *lo) {
+    __m512i a = bf16_bits_512(_mm512_loadu_ps(v)), b = bf16_bits_512(_mm512_loadu_ps(v + 16));
+    const __m512i pack = _mm512_add_epi16(_mm512_loadu_si512(EO_EVEN), _mm512_set1_epi16(1));
+    if (lo) {
+        __m512i la = bf16_bits_512(_mm512_sub_ps(_mm512_loadu_ps(v), _mm512_castsi512_ps(a)));
+        __m512i lb = bf16_bits_512(_mm512_sub_ps(_mm512_loadu_ps(v + 16), _mm512_castsi512_ps(b)));
+        *lo = _mm512_permutex2var_epi16(la, pack, lb);
+    }
+    return _mm512_permutex2var_epi16(a, pack, b);
+}
+
+/* One block of 128 bfloat16 words (natural order, w[0..3]) into the order. */
+AVX512 INLINE void order_words_512(int order, const __m512i w[4], uint16_t *dst) {
+    if (order == COLI_FFN_ORDER_PLAIN) {
+        for (int j = 0; j < 4; j++) _mm512_storeu_si512(dst + 32 * j, w[j]);
+        return;
+    }
+    const __m512i even = _mm512_loadu_si512(EO_EVEN), one = _mm512_set1_epi16(1);
+    if (order == COLI_FFN_ORDER_EO64) {
+        for (int h = 0; h < 2; h++) {
+            _mm512_storeu_si512(dst + 64 * h, _mm512_permutex2var_epi16(w[2 * h], even, w[2 * h + 1]));
+            _mm512_storeu_si512(dst + 64 * h + 32, _mm512_permutex2var_epi16(
+                                                       w[2 * h], _mm512_add_epi16(even, one), w[2 * h + 1]));
+        }
+        return;
+    }
+    /* Q128: word i of vector s is input 4i + s: i < 16 from w0, w1 (index
+     * 4i + s), i >= 16 from w2, w3 (index 4(i - 16) + s). */
+    __m512i quad = _mm512_slli_epi16(_mm512_and_si512(_mm512_loadu_si512(EO_EVEN), _mm512_set1_epi16(31)), 1);
+    for (int s = 0; s < 4; s++) {
+        __m512i idx = _mm512_add_epi16(quad, _mm512_set1_epi16((short)s));
+        __m512i a = _mm512_permutex2var_epi16(w[0], idx, w[1]);
+        __m512i b = _mm512_permutex2var_epi16(w[2], idx, w[3]);
+        _mm512_storeu_si512(dst + 32 * s, _mm512_mask_blend_epi16(0xffff0000u, a, b));
+    }
+}
+
+AVX512 static void put512(int x_type, int x_order, const float *v, int64_t i0, int64_t blocks,
+                          void *row, int64_t half) {
+    for (int64_t b = 0; b < blocks; b++, v += COLI_FFN_PAD) {
+        int64_t at = i0 + b * COLI_FFN_PAD;
+        if (x_type == COLI_FFN_X_F32) {  /* EO64 floats */
+            float *dst = (float *)row + at;
+            const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+            for (int h = 0; h < 2; h++) {
+                const float *s = v + 64 * h;
+                for (int q = 0; q < 2; q++) {
+                    __m512 a = _mm512_loadu_ps(s + 32 * q), c = _mm512_loadu_ps(s + 32 * q + 16);
+                    _mm512_storeu_ps(dst + 64 * h + 16 * q, _mm512_permutex2var_ps(a, ev, c));
+                    _mm512_storeu_ps(dst + 64 * h + 32 + 16 * q, _mm512_permutex2var_ps(a, od, c));
+                }
+            }
+            continue;
+        }
+        __m512i w[4], lo[4];
+        int split = x_type == COLI_FFN_X_BF16_SPLIT;
+        for (int j = 0; j < 4; j++) w[j] = bf16_words_512(v + 32 * j, split ? &lo[j] : NULL);
+        order_words_512(x_order, w, (uint16_t *)row + at);
+        if (split) order_words_512(x_order, lo, (uint16_t *)row + half + at);
+    }
+}
+
+AVX512 static void to_bf16_512(const float *v, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_512(_mm512_loadu_ps(v + i)), 16)));
+    for (; i < n; i++) dst[i] = coli_f32_to_bf16(v[i]);
+}
+
+AVX512 static void from_bf16_512(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                         _mm256_loadu_si256((const __m256i *)(src + i))), 16));
+    for (; i < n; i++) dst[i] = coli_bf16_to_f32(src[i]);
+}
+
+const ColiFfnConv coli_ffn_conv_avx512 = {put512, to_bf16_512, from_bf16_512};
+
 /* ------------------------------------------------------------ kernel tables */
 
 #define KERNEL(NAME, ORDER, SUMS, UNIT, SCRATCH, RUN) \
@@ -370,9 +473,9 @@ static const ColiFfnKernel K256_AWQ = KERNEL("awq/avx2", COLI_FFN_ORDER_PLAIN, 1
                                              ax_scratch_256, ax_run_256);
 
 static const ColiFfnKernel K512_INT4_BF16 = {"int4-bf16/avx512", COLI_FFN_X_BF16,
-                                              COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_x};
+                                              COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_x};
 static const ColiFfnKernel K512_INT4_SPLIT = {"int4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
-                                               COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_split};
+                                               COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_split};
 static const ColiFfnKernel K512_MXFP4_BF16 = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16,
                                                COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_x};
 static const ColiFfnKernel K512_MXFP4_SPLIT = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
@@ -387,7 +490,7 @@ const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input) {
         if (bf16) return split ? &K512_MXFP4_SPLIT : &K512_MXFP4_BF16;
         return &K512_MXFP4;
     case COLI_TENSOR_INT4_BLOCK:
-        if (bf16 && bf_takes(m)) return split ? &K512_INT4_SPLIT : &K512_INT4_BF16;
+        if (bf16 && qs_takes(m)) return split ? &K512_INT4_SPLIT : &K512_INT4_BF16;
         return &K512_INT4;
     case COLI_TENSOR_INT4_GPTQ: return m->g_idx ? &K512_GPTQ_ACT : &K512_GPTQ;
     case COLI_TENSOR_INT4_AWQ: return &K512_AWQ;
