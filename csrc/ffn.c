@@ -514,6 +514,15 @@ static void store_output(const Run *run, int64_t n0, int64_t n1) {
     }
 }
 
+/* Input k of token t as the kernel multiplies it (a split's two parts added). */
+static float input_value(const Input *in, int64_t t, int64_t k) {
+    int64_t p = coli_ffn_pos(in->k->x_order, k);
+    if (in->k->x_type == COLI_FFN_X_F32) return ((const float *)in->x)[t * in->ldx + p];
+    const uint16_t *row = (const uint16_t *)in->x + t * in->ldx;
+    float v = coli_bf16_to_f32(row[p]);
+    return in->k->x_type == COLI_FFN_X_BF16_SPLIT ? v + coli_bf16_to_f32(row[in->ldx / 2 + p]) : v;
+}
+
 static void run_thread(void *ctx, int thread, int threads) {
     const Run *run = ctx;
     uint8_t *scratch = run->scratch + (size_t)thread * run->scratch_bytes;
@@ -540,9 +549,7 @@ static void run_thread(void *ctx, int thread, int threads) {
             for (int64_t g = 0; g < m->groups; g++) {
                 float *row = tmp;
                 int64_t k0 = g * m->group, n = m->n_in - k0 < m->group ? m->n_in - k0 : m->group;
-                for (int64_t i = 0; i < n; i++)
-                    row[i] = ((const float *)run->h.x)[t * run->h.ldx +
-                                                       coli_ffn_pos(run->h.k->x_order, k0 + i)];
+                for (int64_t i = 0; i < n; i++) row[i] = input_value(&run->h, t, k0 + i);
                 hs[t * m->groups + g] = coli_ffn_group_sum(row, n);
             }
     }

@@ -42,14 +42,21 @@ enum {
  * block of 64 inputs the 32 even ones first, in order, then the 32 odd
  * ones (what a byte's low and high nibbles hold). Q128: inside each block
  * of 128 inputs, input 4i + s at 32 s + i (the nibbles of 64 bytes read as
- * 32 little-endian words: nibble s of word i is input 4i + s). */
+ * 32 little-endian words: nibble s of word i is input 4i + s). G8: inside
+ * each 8 inputs, input j at 2j and input j + 4 at 2j + 1 (j < 4: the pairs
+ * of a GPTQ word's nibbles j and j + 4). */
 enum { COLI_FFN_X_F32 = 0, COLI_FFN_X_BF16 = 1, COLI_FFN_X_BF16_SPLIT = 2 };
 /* What a matrix multiplies, for the kernel choice: float32 inputs that
  * must stay exact (a float32 call), the call's bfloat16 tokens (gate and
  * up of a bfloat16 call), or the float activations of a bfloat16 call
  * (down), which may be split. */
 enum { COLI_FFN_INPUT_F32 = 0, COLI_FFN_INPUT_BF16 = 1, COLI_FFN_INPUT_ACT = 2 };
-enum { COLI_FFN_ORDER_PLAIN = 0, COLI_FFN_ORDER_EO64 = 1, COLI_FFN_ORDER_Q128 = 2 };
+enum {
+    COLI_FFN_ORDER_PLAIN = 0,
+    COLI_FFN_ORDER_EO64 = 1,
+    COLI_FFN_ORDER_Q128 = 2,
+    COLI_FFN_ORDER_G8 = 3
+};
 
 /* A matrix checked and described for the kernels: logical outputs x inputs
  * (what the stored rows and columns mean follows the orientation). */
@@ -203,6 +210,7 @@ static inline int64_t coli_ffn_group_of(const ColiFfnMat *m, int64_t k) {
 static inline int64_t coli_ffn_pos(int order, int64_t k) {
     if (order == COLI_FFN_ORDER_PLAIN) return k;
     if (order == COLI_FFN_ORDER_Q128) return (k & ~(int64_t)127) + (k & 3) * 32 + ((k & 127) >> 2);
+    if (order == COLI_FFN_ORDER_G8) return (k & ~(int64_t)7) + (k & 3) * 2 + ((k >> 2) & 1);
     return (k & ~(int64_t)63) + (k & 1) * 32 + ((k & 63) >> 1);
 }
 

@@ -374,6 +374,14 @@ AVX512 INLINE void order_words_512(int order, const __m512i w[4], uint16_t *dst)
         return;
     }
     const __m512i even = _mm512_loadu_si512(EO_EVEN), one = _mm512_set1_epi16(1);
+    if (order == COLI_FFN_ORDER_G8) {  /* word 8a + 2j + b is input 8a + j + 4b */
+        __m512i i = _mm512_srli_epi16(even, 1), b = _mm512_and_si512(i, one);
+        __m512i idx = _mm512_add_epi16(_mm512_and_si512(i, _mm512_set1_epi16(~7)),
+                                       _mm512_add_epi16(_mm512_srli_epi16(_mm512_and_si512(i, _mm512_set1_epi16(7)), 1),
+                                                        _mm512_slli_epi16(b, 2)));
+        for (int j = 0; j < 4; j++) _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(idx, w[j]));
+        return;
+    }
     if (order == COLI_FFN_ORDER_EO64) {
         for (int h = 0; h < 2; h++) {
             _mm512_storeu_si512(dst + 64 * h, _mm512_permutex2var_epi16(w[2 * h], even, w[2 * h + 1]));
@@ -476,6 +484,14 @@ static const ColiFfnKernel K512_INT4_BF16 = {"int4-bf16/avx512", COLI_FFN_X_BF16
                                               COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_x};
 static const ColiFfnKernel K512_INT4_SPLIT = {"int4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
                                                COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_split};
+static const ColiFfnKernel K512_GPTQ_BF16 = {"gptq-bf16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_G8,
+                                              1, 16, gx_scratch, gx_run_x};
+static const ColiFfnKernel K512_GPTQ_SPLIT = {"gptq-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
+                                               COLI_FFN_ORDER_G8, 1, 16, gx_scratch, gx_run_split};
+static const ColiFfnKernel K512_AWQ_BF16 = {"awq-bf16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_PLAIN,
+                                             1, 128, gx_scratch, gx_run_x};
+static const ColiFfnKernel K512_AWQ_SPLIT = {"awq-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
+                                              COLI_FFN_ORDER_PLAIN, 1, 128, gx_scratch, gx_run_split};
 static const ColiFfnKernel K512_MXFP4_BF16 = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16,
                                                COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_x};
 static const ColiFfnKernel K512_MXFP4_SPLIT = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
@@ -492,8 +508,12 @@ const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input) {
     case COLI_TENSOR_INT4_BLOCK:
         if (bf16 && qs_takes(m)) return split ? &K512_INT4_SPLIT : &K512_INT4_BF16;
         return &K512_INT4;
-    case COLI_TENSOR_INT4_GPTQ: return m->g_idx ? &K512_GPTQ_ACT : &K512_GPTQ;
-    case COLI_TENSOR_INT4_AWQ: return &K512_AWQ;
+    case COLI_TENSOR_INT4_GPTQ:
+        if (bf16 && gq_takes(m)) return split ? &K512_GPTQ_SPLIT : &K512_GPTQ_BF16;
+        return m->g_idx ? &K512_GPTQ_ACT : &K512_GPTQ;
+    case COLI_TENSOR_INT4_AWQ:
+        if (bf16 && aq_takes(m)) return split ? &K512_AWQ_SPLIT : &K512_AWQ_BF16;
+        return &K512_AWQ;
     default: return m->in_out ? &K512_PLAIN_T : &K512_PLAIN;
     }
 }

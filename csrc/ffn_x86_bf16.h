@@ -533,4 +533,339 @@ static void qs_run_split(const ColiFfnMat *m, int64_t n0, int64_t n1, const Coli
 /* Whether an int4 matrix has a bf16 kernel: groups of a multiple of 32. */
 static int qs_takes(const ColiFfnMat *m) { return m->group % 32 == 0; }
 
+/* ================================================================ GPTQ
+ *
+ * Stored (in, out): a word row holds eight inputs of each output. Lanes
+ * are outputs; inputs in G8 order (inside each 8, input j at 2j and input
+ * j + 4 at 2j + 1, j < 4), so that vector j of a word row, the words
+ * shifted right by 4j, masked to nibbles j and j + 4 and OR 0x43004300,
+ * pairs with the tokens' 32-bit pair (2j, 2j + 1): bfloat16 128 + q again,
+ * no table. Sum, per output and group g: p = 0, then for each word row of
+ * the group in order, the terms of vectors 0..3 into p; acc = fma(p - (128
+ * + z) * xs_g, s, acc), the first product rounded in an FMA (xs_g: the
+ * group sum of the token's inputs the driver gives). Result: acc. */
+
+/* A range of outputs of a GPTQ or AWQ matrix (AWQ's below). */
+typedef struct {
+    const ColiFfnMat *m;
+    int awq;
+    int64_t c0, n;              /* outputs [c0, c0 + n) */
+    int64_t nv;                 /* GPTQ: vectors of 16 outputs; AWQ: segments of 128 */
+    int64_t words;              /* AWQ: words of a row in the range */
+    int64_t wpg;                /* GPTQ: word rows per group */
+    int64_t ahead;              /* prefetch this many stored rows ahead */
+} GxInfo;
+
+static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
+    GxInfo g = {m, m->format == COLI_TENSOR_INT4_AWQ, n0, n1 - n0, 0, (n1 - n0 + 7) / 8, m->group / 8, 1};
+    g.nv = g.awq ? (g.words + 15) / 16 : (g.n + 15) / 16;
+    int64_t bytes = g.awq ? 4 * g.words : 4 * g.n;  /* of a stored row in the range */
+    g.ahead = bytes >= COLI_FFN_PREFETCH ? 1 : (COLI_FFN_PREFETCH + bytes - 1) / bytes;
+    if (g.awq) g.ahead *= 2;  /* AWQ reads rows two at a time */
+    return g;
+}
+
+BF16 INLINE __mmask16 gq_lanes(const GxInfo *q, int64_t v) {
+    int64_t left = q->n - 16 * v;
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* Group g's 128 + z and s for vector v's outputs. */
+BF16 INLINE void gq_params(const GxInfo *q, int64_t g, int64_t v, __m512 *zv, __m512 *sv) {
+    const ColiFfnMat *m = q->m;
+    int64_t o = q->c0 + 16 * v;
+    __mmask16 k = gq_lanes(q, v);
+    const __m512i word = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i shift = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    __m512i w = _mm512_maskz_loadu_epi32(k > 0xff ? 3 : 1, m->zeros + 4 * (g * (m->n_out / 8) + o / 8));
+    w = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(word, w), shift), _mm512_set1_epi32(0xf));
+    *zv = _mm512_add_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(128.0f + (float)m->zero_plus_one));
+    const uint8_t *src = m->scales + (g * m->n_out + o) * (m->scale_format == COLI_SCALE_F32 ? 4 : 2);
+    if (m->scale_format == COLI_SCALE_F32) *sv = _mm512_maskz_loadu_ps(k, src);
+    else if (m->scale_format == COLI_SCALE_F16) *sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, src));
+    else *sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, src)), 16));
+}
+
+/* Group g of the range's vectors for TB tokens, NS parts: p (TB rows of ldp
+ * floats) gets the terms, acc the group's flush. */
+#define GQ_GROUP(TB, NS)                                                                     \
+    BF16 static void gq_group_##TB##_##NS(const void *info, int64_t g, const uint16_t *x,   \
+                                          int64_t ldx, int64_t part, const float *xs,        \
+                                          int64_t ldxs, float *p, float *acc, int64_t ldp) { \
+        const GxInfo *q = info;                                                              \
+        const ColiFfnMat *m = q->m;                                                          \
+        const int64_t v0 = 0, v1 = q->nv;                                                    \
+        const int64_t rs = m->n_out * 4;                                                     \
+        const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
+        for (int t = 0; t < TB; t++)                                                         \
+            memset(p + t * ldp + 16 * v0, 0, sizeof(float) * (size_t)(16 * (v1 - v0)));      \
+        /* Two word rows per pass over p; a row past the group is zeros (its
+         * terms add exact zeros). */                                                      \
+        int64_t r1 = (g + 1) * q->wpg;                                                       \
+        for (int64_t r = g * q->wpg; r < r1; r += 2) {                                       \
+            const uint8_t *row[2];                                                           \
+            __mmask16 use[2];                                                                \
+            __m512bh xp[2][TB][4][NS];                                                       \
+            UNROLL for (int i = 0; i < 2; i++) {                                             \
+                int64_t ri = r + i < r1 ? r + i : r;                                         \
+                row[i] = m->data + ri * rs + q->c0 * 4;                                      \
+                use[i] = r + i < r1 ? 0xffff : 0;                                            \
+                UNROLL for (int t = 0; t < TB; t++)                                          \
+                    UNROLL for (int j = 0; j < 4; j++)                                       \
+                        UNROLL for (int h = 0; h < NS; h++) {                                \
+                            int32_t pair = 0;                                                \
+                            if (use[i]) memcpy(&pair, x + t * ldx + h * part + 8 * ri + 2 * j, sizeof pair); \
+                            xp[i][t][j][h] = (__m512bh)_mm512_set1_epi32(pair);              \
+                        }                                                                    \
+            }                                                                                \
+            for (int64_t v = v0; v < v1; v++) {                                              \
+                __mmask16 k = gq_lanes(q, v);                                                \
+                __m512 a[TB];                                                                \
+                UNROLL for (int t = 0; t < TB; t++) a[t] = _mm512_loadu_ps(p + t * ldp + 16 * v); \
+                UNROLL for (int i = 0; i < 2; i++) {                                         \
+                    if ((v & 3) == 0)                                                        \
+                        _mm_prefetch((const char *)row[i] + 64 * v + q->ahead * rs, _MM_HINT_T0); \
+                    __m512i w = _mm512_maskz_loadu_epi32(k & use[i], row[i] + 64 * v), n[4];  \
+                    n[0] = _mm512_ternarylogic_epi32(w, lo, bias, 0xea);                     \
+                    UNROLL for (int j = 1; j < 4; j++)                                       \
+                        n[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w, 4 * j), lo, bias, 0xea); \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        UNROLL for (int j = 0; j < 4; j++)                                   \
+                            UNROLL for (int h = 0; h < NS; h++)                              \
+                                a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)n[j], xp[i][t][j][h]); \
+                }                                                                            \
+                UNROLL for (int t = 0; t < TB; t++) _mm512_storeu_ps(p + t * ldp + 16 * v, a[t]); \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t v = v0; v < v1; v++) {                                                  \
+            __m512 zv, sv;                                                                   \
+            gq_params(q, g, v, &zv, &sv);                                                    \
+            UNROLL for (int t = 0; t < TB; t++) {                                            \
+                __m512 d = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[t * ldxs + g]),            \
+                                            _mm512_loadu_ps(p + t * ldp + 16 * v));          \
+                _mm512_storeu_ps(acc + t * ldp + 16 * v,                                     \
+                                 _mm512_fmadd_ps(d, sv, _mm512_loadu_ps(acc + t * ldp + 16 * v))); \
+            }                                                                                \
+        }                                                                                    \
+    }
+GQ_GROUP(1, 1)
+GQ_GROUP(2, 1)
+GQ_GROUP(1, 2)
+GQ_GROUP(2, 2)
+#undef GQ_GROUP
+
+/* A group of a GPTQ or AWQ panel (info: its GxInfo or GxInfo). */
+typedef void (*GxGroupFn)(const void *info, int64_t g, const uint16_t *x, int64_t ldx,
+                          int64_t part, const float *xs, int64_t ldxs, float *p, float *acc,
+                          int64_t ldp);
+/* One token's results of a panel from its sums. */
+typedef void (*GxStoreFn)(const void *info, const float *acc, float *dst);
+
+static const GxGroupFn GQ_GROUPS[2][2] = {{gq_group_1_1, gq_group_2_1}, {gq_group_1_2, gq_group_2_2}};
+
+/* Every token of a panel, two at a time: every group, then the results. */
+static void gx_tokens(const void *info, const GxGroupFn fns[2], GxStoreFn store, int64_t groups,
+                      const ColiFfnTask *task, int64_t part, float *p, float *acc, int64_t ldp) {
+    const uint16_t *x = (const uint16_t *)task->x;
+    for (int t0 = 0; t0 < task->tokens;) {
+        int tb = task->tokens - t0 >= 2 ? 2 : 1;
+        memset(acc, 0, sizeof(float) * (size_t)(2 * ldp));
+        for (int64_t g = 0; g < groups; g++)
+            fns[tb - 1](info, g, x + t0 * task->ldx, task->ldx, part, task->xs + t0 * task->ldxs,
+                        task->ldxs, p, acc, ldp);
+        for (int t = 0; t < tb; t++) store(info, acc + t * ldp, task->dst + (t0 + t) * task->ld_dst);
+        t0 += tb;
+    }
+}
+
+static void gq_store(const void *info, const float *acc, float *dst) {
+    const GxInfo *q = info;
+    memcpy(dst + q->c0, acc, sizeof(float) * (size_t)q->n);
+}
+
+/* GPTQ without act order, groups of whole word rows. */
+static int gq_takes(const ColiFfnMat *m) {
+    return m->format == COLI_TENSOR_INT4_GPTQ && !m->g_idx && m->group % 8 == 0;
+}
+
+/* ================================================================ AWQ
+ *
+ * Stored (in, out): an input row's words hold eight outputs each (word w,
+ * nibble n: output 8w + AWQ's order[n]). A segment is 16 words (128
+ * outputs) as 8 sum vectors, vector n's lanes the words' nibble n. Inputs
+ * in plain order, paired (k, k + 1): rows k and k + 1 give, per word and
+ * nibble n, the 32-bit pair (row k's nibble, row k + 1's), each OR 0x4300
+ * (128 + q). Sum, per output and group: p = 0, then for each pair of rows
+ * of the group in order, its term (both parts) into p (a last odd row
+ * pairs with zeros); acc = fma(p - (128 + z) * xs_g, s, acc). */
+
+static const uint8_t AWQ_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};  /* nibble n holds column order[n] */
+
+BF16 INLINE __mmask16 aq_lanes(const GxInfo *a, int64_t seg) {
+    int64_t left = a->words - 16 * seg;
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* Group g's 128 + z and s of sum vector n of segment seg. */
+BF16 INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int n, __m512 *zv, __m512 *sv) {
+    const ColiFfnMat *m = a->m;
+    __mmask16 k = aq_lanes(a, seg);
+    int64_t w0 = a->c0 / 8 + 16 * seg;
+    __m512i z = _mm512_maskz_loadu_epi32(k, m->zeros + 4 * (g * (m->n_out / 8) + w0));
+    z = _mm512_and_si512(_mm512_srli_epi32(z, (unsigned)(4 * n)), _mm512_set1_epi32(0xf));
+    *zv = _mm512_add_ps(_mm512_cvtepi32_ps(z), _mm512_set1_ps(128.0f));
+    /* Lane l: output 8 (w0 + l) + order[n], a stride-8 gather. */
+    __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                       12, 13, 14, 15), 3),
+                                   _mm512_set1_epi32(AWQ_ORDER[n]));
+    int64_t base = g * m->n_out + 8 * w0;
+    if (m->scale_format == COLI_SCALE_F32) {
+        *sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, idx, m->scales + 4 * base, 4);
+    } else {
+        /* 16-bit scales: gather 32 bits at each (2-byte aligned) scale, keep the low half. */
+        __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, m->scales + 2 * base, 2);
+        h = _mm512_and_si512(h, _mm512_set1_epi32(0xffff));
+        *sv = m->scale_format == COLI_SCALE_F16 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h))
+                                                : _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+}
+
+/* Vector n of rows A, B: per lane (A's nibble n, B's) as bfloat16 128 + q. */
+BF16 INLINE __m512i aq_pair(__m512i A, __m512i B, int n) {
+    const __m512i hi16 = _mm512_set1_epi32(0x000f0000), lo = _mm512_set1_epi32(0x000f000f),
+                  bias = _mm512_set1_epi32(0x43004300);
+    __m512i a = n ? _mm512_srli_epi32(A, (unsigned)(4 * n)) : A;
+    __m512i b = n < 4 ? _mm512_slli_epi32(B, (unsigned)(16 - 4 * n))
+              : n > 4 ? _mm512_srli_epi32(B, (unsigned)(4 * n - 16)) : B;
+    __m512i t = _mm512_ternarylogic_epi32(hi16, b, a, 0xca);  /* hi16 ? b : a */
+    return _mm512_ternarylogic_epi32(t, lo, bias, 0xea);
+}
+
+/* Group g of the range's segments for TB tokens, NS parts into p (TB rows
+ * of ldp floats: segment seg's vector n at 16 (8 seg + n)), then acc. */
+#define AQ_GROUP(TB, NS)                                                                     \
+    BF16 static void aq_group_##TB##_##NS(const void *info, int64_t g, const uint16_t *x,   \
+                                          int64_t ldx, int64_t part, const float *xs,        \
+                                          int64_t ldxs, float *p, float *acc, int64_t ldp) { \
+        const GxInfo *a = info;                                                              \
+        const ColiFfnMat *m = a->m;                                                          \
+        const int64_t rs = m->n_out / 2;                                                     \
+        int64_t k0 = g * m->group, k1 = k0 + m->group < m->n_in ? k0 + m->group : m->n_in;  \
+        for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(128 * a->nv)); \
+        /* Two pairs of rows per pass over p; a pair past the group is zeros
+         * (its terms add exact zeros). */                                                 \
+        for (int64_t k = k0; k < k1; k += 4) {                                               \
+            const uint8_t *ra[2], *rb[2];                                                    \
+            __mmask16 use[2][2];                                                             \
+            __m512bh xp[2][TB][NS];                                                          \
+            UNROLL for (int i = 0; i < 2; i++) {                                             \
+                int64_t ki = k + 2 * i;                                                      \
+                ra[i] = m->data + (ki < k1 ? ki : k0) * rs + a->c0 / 2;                      \
+                rb[i] = ra[i] + rs;                                                          \
+                use[i][0] = ki < k1 ? 0xffff : 0;                                            \
+                use[i][1] = ki + 1 < k1 ? 0xffff : 0;                                        \
+                UNROLL for (int t = 0; t < TB; t++)                                          \
+                    UNROLL for (int h = 0; h < NS; h++) {                                    \
+                        int32_t pair = 0;                                                    \
+                        if (ki < k1) memcpy(&pair, x + t * ldx + h * part + ki, sizeof pair); \
+                        xp[i][t][h] = (__m512bh)_mm512_set1_epi32(pair);                     \
+                    }                                                                        \
+            }                                                                                \
+            for (int64_t seg = 0; seg < a->nv; seg++) {                                    \
+                __mmask16 lanes = aq_lanes(a, seg);                                          \
+                __m512i A[2], B[2];                                                          \
+                UNROLL for (int i = 0; i < 2; i++) {                                         \
+                    _mm_prefetch((const char *)ra[i] + 64 * seg + a->ahead * rs, _MM_HINT_T0); \
+                    _mm_prefetch((const char *)rb[i] + 64 * seg + a->ahead * rs, _MM_HINT_T0); \
+                    A[i] = _mm512_maskz_loadu_epi32(lanes & use[i][0], ra[i] + 64 * seg);    \
+                    B[i] = _mm512_maskz_loadu_epi32(lanes & use[i][1], rb[i] + 64 * seg);    \
+                }                                                                            \
+                UNROLL for (int n = 0; n < 8; n++) {                                         \
+                    __m512 acc_[TB];                                                         \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        acc_[t] = _mm512_loadu_ps(p + t * ldp + 16 * (8 * seg + n));         \
+                    UNROLL for (int i = 0; i < 2; i++) {                                     \
+                        __m512i w = aq_pair(A[i], B[i], n);                                  \
+                        UNROLL for (int t = 0; t < TB; t++)                                  \
+                            UNROLL for (int h = 0; h < NS; h++)                              \
+                                acc_[t] = _mm512_dpbf16_ps(acc_[t], (__m512bh)w, xp[i][t][h]); \
+                    }                                                                        \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        _mm512_storeu_ps(p + t * ldp + 16 * (8 * seg + n), acc_[t]);         \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t seg = 0; seg < a->nv; seg++)                                          \
+            for (int n = 0; n < 8; n++) {                                                    \
+                __m512 zv, sv;                                                               \
+                aq_params(a, g, seg, n, &zv, &sv);                                           \
+                UNROLL for (int t = 0; t < TB; t++) {                                        \
+                    int64_t at = t * ldp + 16 * (8 * seg + n);                               \
+                    __m512 d = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[t * ldxs + g]),        \
+                                                _mm512_loadu_ps(p + at));                    \
+                    _mm512_storeu_ps(acc + at, _mm512_fmadd_ps(d, sv, _mm512_loadu_ps(acc + at))); \
+                }                                                                            \
+            }                                                                                \
+    }
+AQ_GROUP(1, 1)
+AQ_GROUP(2, 1)
+AQ_GROUP(1, 2)
+AQ_GROUP(2, 2)
+#undef AQ_GROUP
+
+static const GxGroupFn AQ_GROUPS[2][2] = {{aq_group_1_1, aq_group_2_1}, {aq_group_1_2, aq_group_2_2}};
+
+static void aq_store(const void *info, const float *acc, float *dst) {
+    const GxInfo *a = info;
+    for (int64_t c = 0; c < a->n; c++) {
+        int64_t w = c / 8;
+        dst[a->c0 + c] = acc[16 * (8 * (w / 16) + COLI_AWQ_NIBBLE[c % 8]) + w % 16];
+    }
+}
+
+/* AWQ in groups of an even number of rows. */
+static int aq_takes(const ColiFfnMat *m) {
+    return m->format == COLI_TENSOR_INT4_AWQ && m->group % 2 == 0;
+}
+
+/* ---- GPTQ and AWQ: panels of a range, blocks of tokens. */
+
+/* Units (vectors or segments) per panel: with more than two tokens, a
+ * panel's bytes stay near 256 KiB (in L2) while blocks of two tokens run
+ * over it. */
+static int64_t gx_panel(const GxInfo *q, int tokens) {
+    int64_t bytes = q->awq ? q->m->n_in * 64 : q->m->n_in / 8 * 64;  /* of a unit over all rows */
+    int64_t u = tokens <= 2 ? q->nv : ((int64_t)256 << 10) / bytes;
+    return u < 1 ? 1 : u > q->nv ? q->nv : u;
+}
+
+static size_t gx_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
+    GxInfo q = gx_info(m, n0, n1);
+    return sizeof(float) * (size_t)(2 * 2 * (q.awq ? 128 : 16) * gx_panel(&q, tokens));
+}
+
+BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
+    GxInfo q = gx_info(m, n0, n1);
+    int64_t pu = gx_panel(&q, task->tokens), width = q.awq ? 128 : 16, ldp = width * pu;
+    int64_t part = ns == 2 ? task->ldx / 2 : 0;
+    float *p = (float *)task->scratch;
+    for (int64_t u0 = 0; u0 < q.nv; u0 += pu) {
+        GxInfo qp = q;  /* the panel */
+        qp.c0 = n0 + width * u0;
+        qp.n = q.n - width * u0 < ldp ? q.n - width * u0 : ldp;
+        qp.words = (qp.n + 7) / 8;
+        qp.nv = (qp.n + width - 1) / width;
+        gx_tokens(&qp, q.awq ? AQ_GROUPS[ns - 1] : GQ_GROUPS[ns - 1], q.awq ? aq_store : gq_store,
+                  m->groups, task, part, p, p + 2 * ldp, ldp);
+    }
+}
+
+static void gx_run_x(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
+    gx_rows(m, n0, n1, task, 1);
+}
+
+static void gx_run_split(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
+    gx_rows(m, n0, n1, task, 2);
+}
+
 #undef BF16
