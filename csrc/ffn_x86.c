@@ -80,6 +80,15 @@ AVX512 INLINE __m512 plain_512(ColiTensorFormat f, const uint8_t *src) {
 
 AVX512 INLINE __m512 iota16_512(void) { return _mm512_loadu_ps(IOTA); }
 
+/* Nibble j of each lane as the float 2^23 + q, without a lookup (a shift
+ * and a vpternlog on the integer pipes): minus 2^23 (or minus 2^23 + z)
+ * it is q (q - z) exactly. */
+AVX512 INLINE __m512 nib_biased_512(__m512i words, int j) {
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_srli_epi32(words, (unsigned)(4 * j)),
+                                                         _mm512_set1_epi32(0xf),
+                                                         _mm512_set1_epi32(0x4b000000), 0xea));
+}
+
 /* int4's (q - zero) * scale or MXFP4's e2m1 * 2^(e - 127) (exact: scalef
  * gives ldexp's answers) for q = 0..15. */
 AVX512 INLINE __m512 nibble_table_512(const ColiFfnMat *m, int64_t o, int64_t g) {
@@ -90,8 +99,27 @@ AVX512 INLINE __m512 nibble_table_512(const ColiFfnMat *m, int64_t o, int64_t g)
                          _mm512_set1_ps(coli_ffn_scale_at(m, o * m->groups + g)));
 }
 
+/* The nibbles of the words at p, eight per word in order, as floats (16:
+ * two words). */
+AVX512 INLINE __m512 zeros8_512(const uint8_t *p) {
+    const __m512i word = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i shift = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    __m512i w = _mm512_permutexvar_epi32(word, _mm512_maskz_loadu_epi32(3, p));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shift), _mm512_set1_epi32(0xf)));
+}
+
+/* 16 scales from index i on (F32, F16 or BF16) as floats. */
+AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_t i) {
+    if (f == COLI_SCALE_F32) return _mm512_loadu_ps(scales + 4 * i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)(scales + 2 * i));
+    if (f == COLI_SCALE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 #define SFX 512
 #define L 16
+#define vzeros8 zeros8_512
+#define vload_scales scales_512
 #define VF __m512
 #define VI __m512i
 #define TAB16 __m512
@@ -113,6 +141,7 @@ AVX512 INLINE __m512 nibble_table_512(const ColiFfnMat *m, int64_t o, int64_t g)
 #define vsrli(v, n) _mm512_srli_epi32(v, (unsigned)(n))
 #define widen_bytes(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define lookup16(t, i) _mm512_permutexvar_ps(i, t)
+#define nib_biased nib_biased_512
 #define vload_words words_512
 #define plain_vec plain_512
 #include "ffn_x86_f32.h"
@@ -171,6 +200,13 @@ AVX2 INLINE __m256 plain_256(ColiTensorFormat f, const uint8_t *src) {
     }
 }
 
+/* As nib_biased_512. */
+AVX2 INLINE __m256 nib_biased_256(__m256i words, int j) {
+    return _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi32(words, 4 * j), _mm256_set1_epi32(0xf)),
+        _mm256_set1_epi32(0x4b000000)));
+}
+
 AVX2 INLINE Table16 table_zero_256(void) {
     Table16 t = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     return t;
@@ -205,8 +241,26 @@ AVX2 INLINE Table16 nibble_table_256(const ColiFfnMat *m, int64_t o, int64_t g) 
     return t;
 }
 
+/* As zeros8_512: one word. */
+AVX2 INLINE __m256 zeros8_256(const uint8_t *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
+}
+
+/* 8 scales from index i on, as scales_512. */
+AVX2 INLINE __m256 scales_256(ColiScaleFormat f, const uint8_t *scales, int64_t i) {
+    if (f == COLI_SCALE_F32) return _mm256_loadu_ps((const float *)(scales + 4 * i));
+    __m128i h = _mm_loadu_si128((const __m128i *)(scales + 2 * i));
+    if (f == COLI_SCALE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 #define SFX 256
 #define L 8
+#define vzeros8 zeros8_256
+#define vload_scales scales_256
 #define VF __m256
 #define VI __m256i
 #define TAB16 Table16
@@ -228,6 +282,7 @@ AVX2 INLINE Table16 nibble_table_256(const ColiFfnMat *m, int64_t o, int64_t g) 
 #define vsrli(v, n) _mm256_srli_epi32(v, (int)(n))
 #define widen_bytes(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define lookup16(t, i) lookup16_256(t, i)
+#define nib_biased nib_biased_256
 #define vload_words words_256
 #define plain_vec plain_256
 #include "ffn_x86_f32.h"

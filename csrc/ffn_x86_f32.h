@@ -391,15 +391,23 @@ static int FN(ax_lanes)(const FN(AxInfo) *a, int64_t v) {
 
 /* Per-output zero points then scales of group g, in sum order (zeros past
  * the range's end), 2 * ldp floats. */
-TGT static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs) {
+/* Per-output zero points (plus bias) then scales of group g, in sum order
+ * (zeros past the range's end), 2 * ldp floats. GPTQ's whole vectors at
+ * once, the rest one by one. */
+TGT static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs, float bias) {
     const ColiFfnMat *m = a->m;
     memset(zs, 0, sizeof(float) * (size_t)(2 * a->ldp));
     const uint8_t *zrow = m->zeros + g * (m->n_out / 8) * 4;
-    int64_t s0 = g * m->n_out + a->c0;
-    for (int64_t c = 0; c < a->n; c++) {
+    int64_t s0 = g * m->n_out + a->c0, c = 0;
+    const float zb = bias + (float)m->zero_plus_one;
+    for (; a->gptq && c + L <= a->n && m->scale_format != COLI_SCALE_UE8M0; c += L) {
+        vstore(zs + c, vadd(vzeros8(zrow + 4 * ((a->c0 + c) / 8)), vset1(zb)));
+        vstore(zs + a->ldp + c, vload_scales(m->scale_format, m->scales, s0 + c));
+    }
+    for (; c < a->n; c++) {
         int64_t i = FN(ax_index)(a, c), col = a->c0 + c;
         int nib = a->awq ? COLI_AWQ_NIBBLE[col % 8] : (int)(col % 8);
-        zs[i] = (float)(((zrow[4 * (col / 8) + nib / 2] >> (4 * (nib & 1))) & 0xf) + m->zero_plus_one);
+        zs[i] = (float)(((zrow[4 * (col / 8) + nib / 2] >> (4 * (nib & 1))) & 0xf) + m->zero_plus_one) + bias;
         uint16_t h;
         switch (m->scale_format) {
         case COLI_SCALE_F16:
@@ -431,7 +439,11 @@ TGT INLINE void FN(ax_prefetch)(const FN(AxInfo) *a, int64_t r, int64_t v) {
 }
 
 /* Nibble j of each word, as float. */
-TGT INLINE VF FN(ax_nib)(VI words, int j) { return lookup16(FN(iota16)(), vsrli(words, 4 * j)); }
+/* 2^23 and nibble j of each word: 2^23 + q, exactly (see nib_biased). */
+enum { FN(AX_BIAS) = 1 << 23 };
+TGT INLINE VF FN(ax_nib)(VI words, int j) {
+    return vsub(nib_biased(words, j), vset1((float)FN(AX_BIAS)));
+}
 
 /* A plain matrix's input k to vector v, times its scales. */
 TGT INLINE VF FN(ax_plain)(const FN(AxInfo) *a, int64_t k, int64_t v) {
@@ -453,7 +465,7 @@ TGT INLINE VF FN(ax_plain)(const FN(AxInfo) *a, int64_t k, int64_t v) {
 /* SINGLE weight of input k to vector v (zg: its group's parameters). */
 TGT INLINE VF FN(ax_weight)(const FN(AxInfo) *a, int64_t k, int64_t v, const float *zg) {
     if (!a->gptq) return FN(ax_plain)(a, k, v);
-    VF q = FN(ax_nib)(FN(ax_words)(a, k / 8, v), (int)(k % 8));
+    VF q = nib_biased(FN(ax_words)(a, k / 8, v), (int)(k % 8));  /* zg: z + 2^23 */
     return vmul(vsub(q, vload(zg + v * L)), vload(zg + a->ldp + v * L));
 }
 
@@ -611,30 +623,48 @@ AX_SINGLE_STREAM(4)
 
 /* SINGLE GPTQ with act order, whole vectors: a word row's eight inputs
  * from one load, each weighted by its own group's parameters (the same
- * sums as ax_single_stream). */
+ * sums as ax_single_stream). Panels of PV vectors, their sums in registers
+ * over every word row, so that the parameters a panel reads (two vectors
+ * per group and vector) stay in cache instead of streaming from L2 with
+ * every word. */
 #define AX_ACT_STREAM(TB)                                                                    \
     TGT static void FN(ax_act_stream_##TB)(const FN(AxInfo) *a, int64_t nvf, const float *x, \
                                            int64_t ldx, float *acc, const float *zs) {       \
+        enum { PV = AX_NV / TB > 0 ? AX_NV / TB : 1 };                                       \
         const ColiFfnMat *m = a->m;                                                          \
         const int64_t ldp = a->ldp, rs = m->n_out * 4;                                       \
-        for (int64_t r = 0; r < m->n_in / 8; r++) {                                          \
-            const uint8_t *row = m->data + r * rs + a->c0 * 4;                               \
-            const float *zg[8];                                                              \
-            UNROLL for (int j = 0; j < 8; j++) zg[j] = zs + 2 * ldp * coli_ffn_group_of(m, 8 * r + j); \
-            for (int64_t v = 0; v < nvf; v++) {                                              \
-                if ((v * L * 4) % 64 == 0)                                                   \
-                    _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
-                VI words = vload_words(row + v * L * 4, L);                                  \
-                VF w[8];                                                                     \
-                UNROLL for (int j = 0; j < 8; j++)                                           \
-                    w[j] = vmul(vsub(FN(ax_nib)(words, j), vload(zg[j] + v * L)),            \
-                                vload(zg[j] + ldp + v * L));                                 \
-                UNROLL for (int t = 0; t < TB; t++) {                                        \
-                    VF s = vload(acc + t * ldp + v * L);                                     \
-                    UNROLL for (int j = 0; j < 8; j++) s = vfma(w[j], vset1(x[t * ldx + 8 * r + j]), s); \
-                    vstore(acc + t * ldp + v * L, s);                                        \
+        for (int64_t v0 = 0; v0 < nvf; v0 += PV) {                                           \
+            VF s[TB][PV];                                                                    \
+            UNROLL for (int t = 0; t < TB; t++)                                              \
+                UNROLL for (int i = 0; i < PV; i++)                                          \
+                    s[t][i] = v0 + i < nvf ? vload(acc + t * ldp + (v0 + i) * L) : vzero();  \
+            for (int64_t r = 0; r < m->n_in / 8; r++) {                                      \
+                const uint8_t *row = m->data + r * rs + a->c0 * 4;                           \
+                const float *zg[8];                                                          \
+                VF xb[TB][8];                                                                \
+                UNROLL for (int j = 0; j < 8; j++) {                                         \
+                    zg[j] = zs + 2 * ldp * coli_ffn_group_of(m, 8 * r + j);                  \
+                    UNROLL for (int t = 0; t < TB; t++) xb[t][j] = vset1(x[t * ldx + 8 * r + j]); \
+                }                                                                            \
+                UNROLL for (int i = 0; i < PV; i++) {                                        \
+                    int64_t v = v0 + i;                                                      \
+                    if (v >= nvf) break;                                                     \
+                    if ((v * L * 4) % 64 == 0)                                               \
+                        _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
+                    VI words = vload_words(row + v * L * 4, L);                              \
+                    /* one load of the words, not one per nibble */                          \
+                    __asm__("" : "+x"(words));                                               \
+                    VF w[8];                                                                 \
+                    UNROLL for (int j = 0; j < 8; j++)                                       \
+                        w[j] = vmul(vsub(nib_biased(words, j), vload(zg[j] + v * L)),        \
+                                    vload(zg[j] + ldp + v * L));                             \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        UNROLL for (int j = 0; j < 8; j++) s[t][i] = vfma(w[j], xb[t][j], s[t][i]); \
                 }                                                                            \
             }                                                                                \
+            UNROLL for (int t = 0; t < TB; t++)                                              \
+                UNROLL for (int i = 0; i < PV; i++)                                          \
+                    if (v0 + i < nvf) vstore(acc + t * ldp + (v0 + i) * L, s[t][i]);         \
         }                                                                                    \
     }
 AX_ACT_STREAM(1)
@@ -755,7 +785,8 @@ TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int ti
     float *tile = zs + 2 * ldp * (m->g_idx ? m->groups : 1);
     memset(acc, 0, sizeof(float) * (size_t)(ldp * tokens));
     if (m->g_idx)
-        for (int64_t g = 0; g < m->groups; g++) FN(ax_params)(a, g, zs + 2 * a->ldp * g);
+        for (int64_t g = 0; g < m->groups; g++)
+            FN(ax_params)(a, g, zs + 2 * a->ldp * g, (float)FN(AX_BIAS));
     int64_t groups = a->grouped ? m->groups : 1;
     for (int64_t g = 0; g < groups; g++) {
         int64_t k0 = a->grouped ? g * m->group : 0;
@@ -802,7 +833,7 @@ TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int ti
             FN(ax_tile_tokens)(tile, kc, x + k, task->ldx, tokens, sums, ldp);
         }
         if (a->grouped) {
-            FN(ax_params)(a, g, zs);
+            FN(ax_params)(a, g, zs, 0.0f);
             FN(ax_flush)(a, zs, task->xs, task->ldxs, g, tokens, p, acc);
         }
     }
@@ -851,5 +882,8 @@ TGT static void FN(ax_run)(const ColiFfnMat *m, int64_t n0, int64_t n1, const Co
 #undef vsrli
 #undef widen_bytes
 #undef lookup16
+#undef nib_biased
+#undef vzeros8
+#undef vload_scales
 #undef vload_words
 #undef plain_vec
