@@ -11,7 +11,10 @@ Every expert is leased once at set-up and stays resident, so no call
 reads the disk.
 
 Per (shape, tokens T, threads): every format on every SIMD path the CPU
-runs, and three baselines:
+runs, timed through the store's C entry (coli_store_expert_ffn with a call
+built once: the kernel, what the bound is compared with), the default path
+also through colibri.expert_ffn (the Python entry, its checks included),
+and three baselines:
 
     torch    torch's bf16 FFN on bf16 weights (F.linear x3 + silu), the
              engine's bf16 path, with torch.set_num_threads(threads), rotating
@@ -61,6 +64,7 @@ import _common  # noqa: E402
 
 import colibri  # noqa: E402
 from colibri import kernels, moe  # noqa: E402
+from colibri._ffi import ffi, lib  # noqa: E402
 from colibri.synthetic_formats import write_format_checkpoint  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "mixtral-8x7b": (4096, 14336)}
@@ -113,6 +117,30 @@ def _open(path: Path, experts: int) -> tuple[Any, Rotation]:
 
 
 CLOCKS = ("wall", "cpu")
+
+
+def _c_entry(rot: Rotation, x: np.ndarray, threads: int, isa: str) -> Callable[[], None]:
+    """A call of the store's C entry on the next lease of the rotation, its
+    ColiFfnCall built once: the kernel without the Python entry's checks."""
+    out = np.empty_like(x)
+    handle = type(rot.leases[0])._store_handle
+    views = [ffi.cast("ColiExpertView *", lease._view_address) for lease in rot.leases]
+    code = lib.COLI_TENSOR_BF16 if x.dtype != np.float32 else lib.COLI_TENSOR_F32
+    call = ffi.new("ColiFfnCall *", {
+        "x": ffi.cast("const void *", x.ctypes.data), "x_format": code, "x_stride": x.shape[1],
+        "out": ffi.cast("void *", out.ctypes.data), "out_format": code, "out_stride": x.shape[1],
+        "tokens": x.shape[0], "isa": kernels.ISAS.index(isa)})
+    err = ffi.new("char[]", lib.COLI_ERR_LEN)
+    pool = kernels._pool(threads)
+    entry, n, cursor = lib.coli_store_expert_ffn, len(views), [0]
+
+    def run() -> None:
+        view = views[cursor[0] % n]
+        cursor[0] += 1
+        if entry(handle, view, 1, ffi.NULL, call, 0, 1.702, 7.0, pool, err, lib.COLI_ERR_LEN):
+            raise RuntimeError(ffi.string(err).decode(errors="replace"))
+    run.keep = (x, out, call, err)  # type: ignore[attr-defined]  # alive while run is
+    return run
 
 
 def _timed(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
@@ -211,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 for fmt in formats:
                     for isa in isas:
                         configs.append(("kernel", shape, t, th, fmt, isa))
+                    if kernels.default_isa() in isas:
+                        configs.append(("python", shape, t, th, fmt, kernels.default_isa()))
                     if fmt in FOUR_BIT and th == threads_list[0] and (
                             shape == "qwen3-30b-a3b" or args.numpy_mixtral):
                         configs.append(("numpy", shape, t, th, fmt, "-"))
@@ -239,14 +269,16 @@ def main(argv: list[str] | None = None) -> int:
             rot = rotations[(shape, fmt)]
 
             def call() -> None:
-                moe._expert(rot.next(), x32, "silu", 7.0, 1.702)
-        else:
+                moe.swiglu(*moe.expert_weights(rot.next()), x32)
+        elif kind == "python":
             rot = rotations[(shape, fmt)]
             x = x32.astype(x_dtype)
             out = np.empty_like(x)
 
             def call() -> None:
                 kernels.expert_ffn(rot.next(), x, out=out, threads=th, isa=isa)
+        else:
+            call = _c_entry(rotations[(shape, fmt)], x32.astype(x_dtype), th, isa)
         first = _timed(call, 1)
         calls = max(1, min(64, int(budget / max(first[0], 1e-6))))
         return _timed(call, calls)
@@ -296,12 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         by_clock = {c: ratio(base + (c,), lambda this, c=c: this.get(torch_keys[c]))
                     for c in CLOCKS}
         vs_torch = by_clock[args.clock]
-        nbytes = rotations[(shape, fmt)].expert_bytes if kind != "torch" else 3 * math.prod(
+        nbytes = rotations[(shape, fmt)].expert_bytes if kind not in ("torch",) else 3 * math.prod(
             SHAPES[shape]) * 2
         # The bound is a wall time; CPU time of one thread stands for it too.
         bound_clock = "wall" if th > 1 else args.clock
         vs_bound = ratio(base + (bound_clock,), lambda this: nbytes / this[("bw", str(th))])
-        name = isa if kind == "kernel" else kind
+        name = isa if kind == "kernel" else f"{isa} (python)" if kind == "python" else kind
         rows.append((shape, t, th, fmt if kind != "torch" else "bf16 (torch)", name,
                      _common.fmt_ns(statistics.median(sample) * 1e9),
                      f"{_common.fmt_ns(min(sample) * 1e9)}-{_common.fmt_ns(max(sample) * 1e9)}",
