@@ -716,12 +716,15 @@ static int gq_takes(const ColiFfnMat *m) {
 /* ================================================================ AWQ
  *
  * Stored (in, out): an input row's words hold eight outputs each (word w,
- * nibble n: output 8w + AWQ's order[n]). A segment is 16 words (128
- * outputs) as 8 sum vectors, vector n's lanes the words' nibble n. Inputs
- * in plain order, paired (k, k + 1): rows k and k + 1 give, per word and
- * nibble n, the 32-bit pair (row k's nibble, row k + 1's), each OR 0x4300
- * (128 + q). Sum, per output and group: p = 0, then for each pair of rows
- * of the group in order, its term (both parts) into p (a last odd row
+ * nibble n: output 8w + AWQ's order[n]). Inputs in plain order, paired (k,
+ * k + 1): the 16 words of a segment (128 outputs) of rows k and k + 1,
+ * interleaved by 16-bit halves (vpunpck{l,h}wd: U_u, u = 0, 1), hold in
+ * each dword a half word of row k and the same of row k + 1; vector 4u + j
+ * (j < 4) is U_u shifted right by 4j, masked to nibbles and OR 0x43004300:
+ * per lane the pair (row k's nibble, row k + 1's) as bfloat16 128 + q.
+ * Lane d of vector 4u + j is word 4(d / 4) + 2u + (d % 4) / 2, nibble
+ * 4 (d % 2) + j. Sum, per output and group: p = 0, then for each pair of
+ * rows of the group in order, its term (both parts) into p (a last odd row
  * pairs with zeros); acc = fma(p - (128 + z) * xs_g, s, acc). */
 
 static const uint8_t AWQ_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};  /* nibble n holds column order[n] */
@@ -731,39 +734,40 @@ BF16 INLINE __mmask16 aq_lanes(const GxInfo *a, int64_t seg) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-/* Group g's 128 + z and s of sum vector n of segment seg. */
-BF16 INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int n, __m512 *zv, __m512 *sv) {
+/* Word of lane d of vector 4u + j (see above). */
+BF16 INLINE __m512i aq_word(int u) {
+    __m512i d = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(d, 2), 2),
+                            _mm512_add_epi32(_mm512_set1_epi32(2 * u),
+                                             _mm512_srli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(3)), 1)));
+}
+
+/* Group g's 128 + z and s of vector 4u + j of segment seg. */
+BF16 INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j, __m512 *zv, __m512 *sv) {
     const ColiFfnMat *m = a->m;
     __mmask16 k = aq_lanes(a, seg);
     int64_t w0 = a->c0 / 8 + 16 * seg;
     __m512i z = _mm512_maskz_loadu_epi32(k, m->zeros + 4 * (g * (m->n_out / 8) + w0));
-    z = _mm512_and_si512(_mm512_srli_epi32(z, (unsigned)(4 * n)), _mm512_set1_epi32(0xf));
+    z = u ? _mm512_unpackhi_epi16(z, z) : _mm512_unpacklo_epi16(z, z);
+    z = _mm512_and_si512(_mm512_srli_epi32(z, (unsigned)(4 * j)), _mm512_set1_epi32(0xf));
     *zv = _mm512_add_ps(_mm512_cvtepi32_ps(z), _mm512_set1_ps(128.0f));
-    /* Lane l: output 8 (w0 + l) + order[n], a stride-8 gather. */
-    __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                       12, 13, 14, 15), 3),
-                                   _mm512_set1_epi32(AWQ_ORDER[n]));
+    /* Lane d: output 8 word + order[nibble], a gather. */
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i d = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i nib = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(1)), 2),
+                                   _mm512_set1_epi32(j));
+    __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(aq_word(u), 3), _mm512_permutexvar_epi32(nib, order));
+    __mmask16 kw = _mm512_cmplt_epi32_mask(aq_word(u), _mm512_set1_epi32((int)(a->words - 16 * seg)));
     int64_t base = g * m->n_out + 8 * w0;
     if (m->scale_format == COLI_SCALE_F32) {
-        *sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, idx, m->scales + 4 * base, 4);
+        *sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), kw, idx, m->scales + 4 * base, 4);
     } else {
         /* 16-bit scales: gather 32 bits at each (2-byte aligned) scale, keep the low half. */
-        __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, m->scales + 2 * base, 2);
+        __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), kw, idx, m->scales + 2 * base, 2);
         h = _mm512_and_si512(h, _mm512_set1_epi32(0xffff));
         *sv = m->scale_format == COLI_SCALE_F16 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h))
                                                 : _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
     }
-}
-
-/* Vector n of rows A, B: per lane (A's nibble n, B's) as bfloat16 128 + q. */
-BF16 INLINE __m512i aq_pair(__m512i A, __m512i B, int n) {
-    const __m512i hi16 = _mm512_set1_epi32(0x000f0000), lo = _mm512_set1_epi32(0x000f000f),
-                  bias = _mm512_set1_epi32(0x43004300);
-    __m512i a = n ? _mm512_srli_epi32(A, (unsigned)(4 * n)) : A;
-    __m512i b = n < 4 ? _mm512_slli_epi32(B, (unsigned)(16 - 4 * n))
-              : n > 4 ? _mm512_srli_epi32(B, (unsigned)(4 * n - 16)) : B;
-    __m512i t = _mm512_ternarylogic_epi32(hi16, b, a, 0xca);  /* hi16 ? b : a */
-    return _mm512_ternarylogic_epi32(t, lo, bias, 0xea);
 }
 
 /* Group g of the range's segments for TB tokens, NS parts into p (TB rows
@@ -775,6 +779,7 @@ BF16 INLINE __m512i aq_pair(__m512i A, __m512i B, int n) {
         const GxInfo *a = info;                                                              \
         const ColiFfnMat *m = a->m;                                                          \
         const int64_t rs = m->n_out / 2;                                                     \
+        const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
         int64_t k0 = g * m->group, k1 = k0 + m->group < m->n_in ? k0 + m->group : m->n_in;  \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(128 * a->nv)); \
         /* Two pairs of rows per pass over p; a pair past the group is zeros
@@ -805,12 +810,18 @@ BF16 INLINE __m512i aq_pair(__m512i A, __m512i B, int n) {
                     A[i] = _mm512_maskz_loadu_epi32(lanes & use[i][0], ra[i] + 64 * seg);    \
                     B[i] = _mm512_maskz_loadu_epi32(lanes & use[i][1], rb[i] + 64 * seg);    \
                 }                                                                            \
+                __m512i U[2][2];                                                             \
+                UNROLL for (int i = 0; i < 2; i++) {                                         \
+                    U[i][0] = _mm512_unpacklo_epi16(A[i], B[i]);                             \
+                    U[i][1] = _mm512_unpackhi_epi16(A[i], B[i]);                             \
+                }                                                                            \
                 UNROLL for (int n = 0; n < 8; n++) {                                         \
                     __m512 acc_[TB];                                                         \
                     UNROLL for (int t = 0; t < TB; t++)                                      \
                         acc_[t] = _mm512_loadu_ps(p + t * ldp + 16 * (8 * seg + n));         \
                     UNROLL for (int i = 0; i < 2; i++) {                                     \
-                        __m512i w = aq_pair(A[i], B[i], n);                                  \
+                        __m512i w = _mm512_ternarylogic_epi32(                               \
+                            _mm512_srli_epi32(U[i][n / 4], (unsigned)(4 * (n % 4))), lo, bias, 0xea); \
                         UNROLL for (int t = 0; t < TB; t++)                                  \
                             UNROLL for (int h = 0; h < NS; h++)                              \
                                 acc_[t] = _mm512_dpbf16_ps(acc_[t], (__m512bh)w, xp[i][t][h]); \
@@ -823,7 +834,7 @@ BF16 INLINE __m512i aq_pair(__m512i A, __m512i B, int n) {
         for (int64_t seg = 0; seg < a->nv; seg++)                                          \
             for (int n = 0; n < 8; n++) {                                                    \
                 __m512 zv, sv;                                                               \
-                aq_params(a, g, seg, n, &zv, &sv);                                           \
+                aq_params(a, g, seg, n / 4, n % 4, &zv, &sv);                                \
                 UNROLL for (int t = 0; t < TB; t++) {                                        \
                     int64_t at = t * ldp + 16 * (8 * seg + n);                               \
                     __m512 d = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[t * ldxs + g]),        \
@@ -842,10 +853,13 @@ static const GxGroupFn AQ_GROUPS[2][2] = {{aq_group_1_1, aq_group_2_1}, {aq_grou
 
 static void aq_store(const void *info, const float *acc, float *dst) {
     const GxInfo *a = info;
-    for (int64_t c = 0; c < a->n; c++) {
-        int64_t w = c / 8;
-        dst[a->c0 + c] = acc[16 * (8 * (w / 16) + COLI_AWQ_NIBBLE[c % 8]) + w % 16];
-    }
+    for (int64_t seg = 0; seg < a->nv; seg++)
+        for (int v = 0; v < 8; v++)
+            for (int d = 0; d < 16; d++) {
+                int64_t w = 16 * seg + 4 * (d / 4) + 2 * (v / 4) + (d % 4) / 2;
+                int64_t c = 8 * w + AWQ_ORDER[4 * (d % 2) + v % 4];
+                if (c < a->n) dst[a->c0 + c] = acc[16 * (8 * seg + v) + d];
+            }
 }
 
 /* AWQ in groups of an even number of rows. */
