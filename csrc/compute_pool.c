@@ -1,10 +1,11 @@
 /*
  * compute_pool.c: a fixed set of worker threads woken once per run.
  *
- * Workers sleep on a condition variable between runs. The barrier inside a
- * run spins briefly (phases of one call are short and even), then sleeps,
- * so a thread preempted on a shared machine does not keep the others
- * burning a core.
+ * Between runs, workers spin briefly on the run counter (calls come in
+ * quick succession: a layer's experts, a token's layers), then sleep on a
+ * condition variable; the caller waits for the run's end the same way.
+ * The barrier inside a run also spins briefly, then sleeps, so a thread
+ * preempted on a shared machine does not keep the others burning a core.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -16,18 +17,19 @@
 #include "coli_errors.h"
 #include "compute_pool.h"
 
-enum { POOL_MAX_THREADS = 256, BARRIER_SPINS = 4000 };
+enum { POOL_MAX_THREADS = 256, BARRIER_SPINS = 4000, IDLE_SPINS = 4000 };
 
 struct ColiComputePool {
     int threads;
     pthread_t *workers;             /* threads - 1 */
     int started;                    /* workers created */
     pthread_mutex_t run_lock;       /* held by the caller for a whole run */
-    pthread_mutex_t mu;             /* guards everything below but the barrier */
+    pthread_mutex_t mu;             /* guards the sleeps and wakes below */
     pthread_cond_t start_cv, done_cv;
-    uint64_t generation;            /* bumped per run */
-    int pending;                    /* workers still inside the current run */
-    int stop;
+    atomic_ullong generation;       /* bumped per run (release: fn and ctx are set) */
+    atomic_int pending;             /* workers still inside the current run */
+    atomic_int stop;
+    int sleepers;                   /* workers asleep on start_cv (under mu) */
     ColiPoolFn fn;
     void *ctx;
     atomic_uint bar_count;          /* threads arrived at the current barrier */
@@ -49,33 +51,46 @@ static void cpu_relax(void) {
 #endif
 }
 
+/* The run after seen: spins, then sleeps; returns its generation (or seen
+ * when the pool stops). */
+static unsigned long long next_run(ColiComputePool *pool, unsigned long long seen) {
+    for (int i = 0; i < IDLE_SPINS; i++) {
+        unsigned long long g = atomic_load_explicit(&pool->generation, memory_order_acquire);
+        if (g != seen || atomic_load_explicit(&pool->stop, memory_order_acquire)) return g;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&pool->mu);
+    pool->sleepers++;
+    unsigned long long g;
+    while ((g = atomic_load_explicit(&pool->generation, memory_order_acquire)) == seen &&
+           !atomic_load_explicit(&pool->stop, memory_order_acquire))
+        pthread_cond_wait(&pool->start_cv, &pool->mu);
+    pool->sleepers--;
+    pthread_mutex_unlock(&pool->mu);
+    return g;
+}
+
 static void *worker_main(void *p) {
     WorkerArg arg = *(WorkerArg *)p;
     free(p);
     ColiComputePool *pool = arg.pool;
-    uint64_t seen = 0;
+    unsigned long long seen = 0;
     for (;;) {
-        pthread_mutex_lock(&pool->mu);
-        while (pool->generation == seen && !pool->stop) pthread_cond_wait(&pool->start_cv, &pool->mu);
-        if (pool->stop) {
+        seen = next_run(pool, seen);
+        if (atomic_load_explicit(&pool->stop, memory_order_acquire)) return NULL;
+        pool->fn(pool->ctx, arg.index, pool->threads);
+        if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool->mu);  /* the caller may be asleep on done_cv */
+            pthread_cond_signal(&pool->done_cv);
             pthread_mutex_unlock(&pool->mu);
-            return NULL;
         }
-        seen = pool->generation;
-        ColiPoolFn fn = pool->fn;
-        void *ctx = pool->ctx;
-        pthread_mutex_unlock(&pool->mu);
-        fn(ctx, arg.index, pool->threads);
-        pthread_mutex_lock(&pool->mu);
-        if (--pool->pending == 0) pthread_cond_signal(&pool->done_cv);
-        pthread_mutex_unlock(&pool->mu);
     }
 }
 
 static void pool_free(ColiComputePool *pool) {
     if (pool->started) {
         pthread_mutex_lock(&pool->mu);
-        pool->stop = 1;
+        atomic_store_explicit(&pool->stop, 1, memory_order_release);
         pthread_cond_broadcast(&pool->start_cv);
         pthread_mutex_unlock(&pool->mu);
         for (int i = 0; i < pool->started; i++) pthread_join(pool->workers[i], NULL);
@@ -112,6 +127,9 @@ int coli_compute_pool_create(int threads, ColiComputePool **out, char *err, size
     }
     atomic_init(&pool->bar_count, 0);
     atomic_init(&pool->bar_generation, 0);
+    atomic_init(&pool->generation, 0);
+    atomic_init(&pool->pending, 0);
+    atomic_init(&pool->stop, 0);
     if (threads > 1) {
         pool->workers = calloc((size_t)threads - 1, sizeof *pool->workers);
         if (!pool->workers) {
@@ -152,17 +170,25 @@ void coli_compute_pool_run(ColiComputePool *pool, ColiPoolFn fn, void *ctx) {
         return;
     }
     pthread_mutex_lock(&pool->run_lock);
-    pthread_mutex_lock(&pool->mu);
     pool->fn = fn;
     pool->ctx = ctx;
-    pool->pending = pool->threads - 1;
-    pool->generation++;
-    pthread_cond_broadcast(&pool->start_cv);
+    atomic_store_explicit(&pool->pending, pool->threads - 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
+    pthread_mutex_lock(&pool->mu);  /* a sleeper checks the generation under mu */
+    if (pool->sleepers) pthread_cond_broadcast(&pool->start_cv);
     pthread_mutex_unlock(&pool->mu);
     fn(ctx, 0, pool->threads);
-    pthread_mutex_lock(&pool->mu);
-    while (pool->pending) pthread_cond_wait(&pool->done_cv, &pool->mu);
-    pthread_mutex_unlock(&pool->mu);
+    int i = 0;
+    while (atomic_load_explicit(&pool->pending, memory_order_acquire)) {
+        if (i++ < IDLE_SPINS) {
+            cpu_relax();
+            continue;
+        }
+        pthread_mutex_lock(&pool->mu);
+        while (atomic_load_explicit(&pool->pending, memory_order_acquire))
+            pthread_cond_wait(&pool->done_cv, &pool->mu);
+        pthread_mutex_unlock(&pool->mu);
+    }
     pthread_mutex_unlock(&pool->run_lock);
 }
 

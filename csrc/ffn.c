@@ -382,6 +382,9 @@ typedef struct {
     float *y;                   /* BF16 output: tokens x hidden sums; NULL: into out */
     uint8_t *scratch;           /* per thread */
     size_t scratch_bytes, kernel_bytes, temp_bytes;
+    int by_units;               /* one barrier: inputs per thread, gate and up by units */
+    int64_t unit_step;          /* intermediate units per step of that split */
+    size_t in_bytes;            /* the inputs' bytes: each thread's copy that far from the last */
 } Run;
 
 static int same_input(const ColiFfnKernel *a, const ColiFfnMat *ma, const ColiFfnKernel *b,
@@ -447,10 +450,8 @@ static void put_input(const Run *run, const Input *in, int64_t t, const float *r
     if (in->xs) group_sums(row, n, in->m->group, in->xs + t * in->m->groups);
 }
 
-/* Phase 0: this thread's tokens. */
-static void load_inputs(const Run *run, float *row, int thread, int threads) {
-    int64_t lo, hi;
-    split(run->tokens, thread, threads, &lo, &hi);
+/* Phase 0: tokens [lo, hi) into the inputs in (run->n_in of them). */
+static void load_inputs(const Run *run, const Input *in, float *row, int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; t++) {
         int64_t src_row = (run->t0 + t) * run->c->x_stride;
         if (run->c->x_format == COLI_TENSOR_F32) {
@@ -460,14 +461,12 @@ static void load_inputs(const Run *run, float *row, int thread, int threads) {
             if (run->conv) run->conv->from_bf16(src, row, run->hidden);
             else for (int64_t i = 0; i < run->hidden; i++) row[i] = coli_bf16_to_f32(src[i]);
         }
-        for (int i = 0; i < run->n_in; i++) put_input(run, &run->in[i], t, row, run->hidden);
+        for (int i = 0; i < run->n_in; i++) put_input(run, &in[i], t, row, run->hidden);
     }
 }
 
-/* Phase 2: the activation of this thread's intermediate units. */
-static void activate(const Run *run, float *tmp, int thread, int threads) {
-    int64_t lo, hi;
-    split(run->inter, thread, threads, &lo, &hi);
+/* Phase 2: the activation of intermediate units [lo, hi). */
+static void activate(const Run *run, float *tmp, int64_t lo, int64_t hi) {
     int64_t n = hi - lo;
     if (n <= 0) return;
     float *g = tmp, *u = g + n, *h = u + n;
@@ -487,10 +486,11 @@ static void activate(const Run *run, float *tmp, int thread, int threads) {
     }
 }
 
-/* Outputs [a, b) units of a matrix: the kernel's sums, then the bias. */
-static void run_units(const Run *run, const MatJob *j, const Input *in, const float *xs,
-                      int64_t a, int64_t b, uint8_t *scratch) {
-    int64_t n0 = a * j->k->unit, n1 = b * j->k->unit < j->m->n_out ? b * j->k->unit : j->m->n_out;
+/* Outputs [n0, n1) of a matrix (n0 a multiple of the kernel's unit): the
+ * kernel's sums, then the bias. */
+static void run_rows(const Run *run, const MatJob *j, const Input *in, const float *xs, int64_t n0,
+                     int64_t n1, uint8_t *scratch) {
+    if (n1 > j->m->n_out) n1 = j->m->n_out;
     if (n0 >= n1) return;
     ColiFfnTask task = {in->x, in->ldx, xs, j->m->groups, (int)run->tokens, j->dst, j->ld_dst,
                         scratch};
@@ -498,6 +498,12 @@ static void run_units(const Run *run, const MatJob *j, const Input *in, const fl
     if (!j->bias) return;
     for (int64_t t = 0; t < run->tokens; t++)
         for (int64_t n = n0; n < n1; n++) j->dst[t * j->ld_dst + n] += j->bias[n];
+}
+
+/* Output units [a, b) of a matrix. */
+static void run_units(const Run *run, const MatJob *j, const Input *in, const float *xs,
+                      int64_t a, int64_t b, uint8_t *scratch) {
+    run_rows(run, j, in, xs, a * j->k->unit, b * j->k->unit, scratch);
 }
 
 /* Down's outputs [n0, n1) of the batch from its sums into the call's output. */
@@ -523,12 +529,8 @@ static float input_value(const Input *in, int64_t t, int64_t k) {
     return in->k->x_type == COLI_FFN_X_BF16_SPLIT ? v + coli_bf16_to_f32(row[in->ldx / 2 + p]) : v;
 }
 
-static void run_thread(void *ctx, int thread, int threads) {
-    const Run *run = ctx;
-    uint8_t *scratch = run->scratch + (size_t)thread * run->scratch_bytes;
-    float *tmp = (float *)(scratch + run->kernel_bytes);
-    load_inputs(run, tmp, thread, threads);
-    coli_compute_pool_barrier(run->pool);
+/* Gate and up (or gate_up), outputs split over the threads. */
+static void first_by_outputs(const Run *run, int thread, int threads, uint8_t *scratch) {
     int64_t total = 0, lo, hi;
     for (int i = 0; i < run->n_first; i++) total += run->first[i].units;
     split(total, thread, threads, &lo, &hi);
@@ -538,8 +540,55 @@ static void run_thread(void *ctx, int thread, int threads) {
         int64_t a = lo > base ? lo - base : 0, b = hi - base < j->units ? hi - base : j->units;
         if (a < b) run_units(run, j, in, in->xs, a, b, scratch);
     }
-    coli_compute_pool_barrier(run->pool);
-    activate(run, tmp, thread, threads);
+}
+
+/* Gate and up rows of intermediate units [a, b), from inputs in. */
+static void first_by_units(const Run *run, const Input *in, int64_t a, int64_t b, uint8_t *scratch) {
+    const MatJob *j = &run->first[0];
+    const Input *ij = &in[j->input];
+    if (run->e->fused == COLI_FFN_INTERLEAVED) {
+        run_rows(run, j, ij, ij->xs, 2 * a, 2 * b, scratch);
+    } else if (run->e->fused) {
+        run_rows(run, j, ij, ij->xs, a, b, scratch);
+        run_rows(run, j, ij, ij->xs, run->inter + a, run->inter + b, scratch);
+    } else {
+        run_rows(run, j, ij, ij->xs, a, b, scratch);
+        const Input *iu = &in[run->first[1].input];
+        run_rows(run, &run->first[1], iu, iu->xs, a, b, scratch);
+    }
+}
+
+static void run_thread(void *ctx, int thread, int threads) {
+    const Run *run = ctx;
+    uint8_t *scratch = run->scratch + (size_t)thread * run->scratch_bytes;
+    float *tmp = (float *)(scratch + run->kernel_bytes);
+    int64_t lo, hi;
+    if (run->by_units) {
+        /* Each thread its own copy of the (few) tokens' inputs, then the
+         * gate and up rows of its intermediate units and their activation:
+         * one barrier, before down. */
+        Input mine[2];
+        for (int i = 0; i < run->n_in; i++) {
+            mine[i] = run->in[i];
+            mine[i].x = (uint8_t *)mine[i].x + (size_t)thread * run->in_bytes;
+            if (mine[i].xs) mine[i].xs = (float *)((uint8_t *)mine[i].xs + (size_t)thread * run->in_bytes);
+        }
+        load_inputs(run, mine, tmp, 0, run->tokens);
+        split(coli_ffn_round_up(run->inter, run->unit_step) / run->unit_step, thread, threads, &lo, &hi);
+        int64_t a = lo * run->unit_step, b = hi * run->unit_step < run->inter ? hi * run->unit_step : run->inter;
+        if (a < b) {
+            first_by_units(run, mine, a, b, scratch);
+            activate(run, tmp, a, b);
+        }
+    } else {
+        split(run->tokens, thread, threads, &lo, &hi);
+        load_inputs(run, run->in, tmp, lo, hi);
+        coli_compute_pool_barrier(run->pool);
+        first_by_outputs(run, thread, threads, scratch);
+        coli_compute_pool_barrier(run->pool);
+        split(run->inter, thread, threads, &lo, &hi);
+        activate(run, tmp, lo, hi);
+    }
     coli_compute_pool_barrier(run->pool);
     float *hs = NULL;
     if (run->down.k->group_sums) {  /* every thread needs them all: each adds them up itself */
@@ -557,6 +606,18 @@ static void run_thread(void *ctx, int thread, int threads) {
     run_units(run, &run->down, &run->h, hs, lo, hi, scratch);
     int64_t unit = run->down.k->unit;
     store_output(run, lo * unit, hi * unit < run->hidden ? hi * unit : run->hidden);
+}
+
+/* The step (in intermediate units) that splits gate and up between threads
+ * on their kernels' units, or 0 when no step does. */
+static int64_t unit_step(const Run *run) {
+    int64_t u0 = run->first[0].k->unit;
+    if (!run->e->fused) {
+        int64_t u1 = run->first[1].k->unit;
+        return u0 % u1 == 0 ? u0 : u1 % u0 == 0 ? u1 : 0;  /* units are 1, 8, 16, 64 or 128 */
+    }
+    if (run->e->fused == COLI_FFN_CONCATENATED) return run->inter % u0 == 0 ? u0 : 0;
+    return u0 % 2 == 0 ? u0 / 2 : u0;  /* interleaved: unit j is rows 2j and 2j + 1 */
 }
 
 /* The biases as float (NULL where none), in one allocation. */
@@ -606,7 +667,9 @@ static int64_t batch_tokens(int64_t tokens, int64_t per_token_floats) {
 }
 
 /* Lays out the batch buffers in block; returns its bytes (block NULL: only counts). */
-static size_t layout(Run *run, int64_t batch, uint8_t *block) {
+/* Lays out the batch buffers in block; returns its bytes (block NULL: only
+ * counts). With by_units, the inputs come once per thread. */
+static size_t layout(Run *run, int64_t batch, int threads, uint8_t *block) {
     size_t off = 0;
 #define TAKE(ptr, type, count)                                         \
     do {                                                               \
@@ -619,14 +682,14 @@ static size_t layout(Run *run, int64_t batch, uint8_t *block) {
         else TAKE(in->x, float, batch * in->ldx);
         if (in->k->group_sums) TAKE(in->xs, float, batch * in->m->groups);
     }
+    run->in_bytes = off;
+    if (run->by_units) off += run->in_bytes * (size_t)(threads - 1);
     if (run->h.k->x_type != COLI_FFN_X_F32) TAKE(run->h.x, uint16_t, batch * run->h.ldx);
     else TAKE(run->h.x, float, batch * run->h.ldx);
     TAKE(run->gu, float, batch * 2 * run->inter);
     if (run->c->out_format == COLI_TENSOR_BF16) TAKE(run->y, float, batch * run->hidden);
-    size_t shared = off;
     TAKE(run->scratch, uint8_t, 0);
 #undef TAKE
-    (void)shared;
     return off;
 }
 
@@ -703,11 +766,13 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
                          ? kernel : k->scratch(mp[i], 0, mp[i]->n_out, (int)batch);
         }
     run.kernel_bytes = align64(kernel);
-    run.temp_bytes = align64(sizeof(float) * (size_t)max64(max64(run.hidden, run.inter),
-                                                           3 * (run.inter / threads + 1)));
+    run.temp_bytes = align64(sizeof(float) * (size_t)max64(run.hidden, 3 * run.inter));
     size_t sums = run.down.k->group_sums ? sizeof(float) * (size_t)(batch * mats[2].groups) : 0;
     run.scratch_bytes = run.kernel_bytes + run.temp_bytes + align64(sums);
-    size_t shared = layout(&run, batch, NULL);
+    /* A few tokens run with one barrier when gate and up split on their units. */
+    run.unit_step = unit_step(&run);
+    run.by_units = run.unit_step > 0 && c->tokens <= COLI_FFN_OWN_INPUTS;
+    size_t shared = layout(&run, batch, threads, NULL);
     size_t total = shared + run.scratch_bytes * (size_t)threads;
     void *block = NULL;
     if (posix_memalign(&block, 64, total)) {
@@ -715,7 +780,7 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
         return coli_fail(err, err_len, COLI_ENOMEM, "expert ffn: out of memory for %lld tokens "
                          "(%zu bytes of buffers)", (long long)batch, total);
     }
-    layout(&run, batch, block);
+    layout(&run, batch, threads, block);
     /* Padding positions of the inputs stay zero: they meet zero weights. */
     memset(block, 0, shared);
     for (int i = 0; i < run.n_first; i++) {

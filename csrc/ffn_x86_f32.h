@@ -735,6 +735,22 @@ TGT static void FN(ax_decode_tile)(const FN(AxInfo) *a, int64_t k0, int kc, cons
         }
         return;
     }
+    if (a->gptq && !a->grouped && a->nv == FN(AX_PANEL) && FN(ax_lanes)(a, a->nv - 1) == L &&
+        k0 % 8 == 0 && kc % 8 == 0) {  /* act order, whole words: each word once */
+        for (int j = 0; j < kc; j += 8) {
+            const uint8_t *row = m->data + ((k0 + j) / 8 * m->n_out + a->c0) * 4;
+            const float *zg[8];
+            UNROLL for (int i = 0; i < 8; i++) zg[i] = zs + 2 * a->ldp * coli_ffn_group_of(m, k0 + j + i);
+            UNROLL for (int v = 0; v < FN(AX_PANEL); v++) {
+                VI words = vload_words(row + v * L * 4, L);
+                UNROLL for (int i = 0; i < 8; i++)  /* as ax_weight */
+                    vstore(tile + ((j + i) * FN(AX_PANEL) + v) * L,
+                           vmul(vsub(nib_biased(words, i), vload(zg[i] + v * L)),
+                                vload(zg[i] + a->ldp + v * L)));
+            }
+        }
+        return;
+    }
     for (int j = 0; j < kc; j++) {
         int64_t k = k0 + j;
         const float *zg = a->gptq && !a->grouped ? zs + 2 * a->ldp * coli_ffn_group_of(a->m, k) : NULL;
