@@ -32,7 +32,7 @@ enum {
     COLI_FFN_PAD = 128,         /* rows of inputs are zero padded to a multiple of this many */
     COLI_FFN_CHAINS = 4,        /* SIMD DOT kernels: independent sums per (token, output) */
     COLI_FFN_STREAM_TOKENS = 4, /* batches of at most this many stream rows through registers */
-    COLI_FFN_PREFETCH = 2048,   /* streaming kernels prefetch this many bytes ahead */
+    COLI_FFN_PREFETCH = 8192,   /* streaming kernels prefetch this many bytes ahead */
     COLI_FFN_OWN_INPUTS = 8     /* calls of at most this many tokens prepare inputs per thread */
 };
 

@@ -51,7 +51,7 @@ enum { BF_ROWS = 4, BF_STREAM_TOKENS = 2, BT_TOKENS = 4, QS_TB = 2 };
 /* How far ahead streaming kernels prefetch: cold weights need about 8 KiB
  * in flight for one thread to read at the memory's streaming rate
  * (measured: 2 KiB reads 25-35% slower). */
-enum { BF_AHEAD = 8192 };
+enum { BF_AHEAD = COLI_FFN_PREFETCH };
 
 /* The distance of whole groups of rows (group_bytes each) of at least
  * BF_AHEAD bytes. */

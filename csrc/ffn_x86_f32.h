@@ -391,15 +391,15 @@ static int FN(ax_lanes)(const FN(AxInfo) *a, int64_t v) {
 
 /* Per-output zero points then scales of group g, in sum order (zeros past
  * the range's end), 2 * ldp floats. */
-/* Per-output zero points (plus bias) then scales of group g, in sum order
- * (zeros past the range's end), 2 * ldp floats. GPTQ's whole vectors at
- * once, the rest one by one. */
-TGT static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs, float bias) {
+/* Per-output zero points then scales of group g, in sum order (zeros past
+ * the range's end), 2 * ldp floats. GPTQ's whole vectors at once, the rest
+ * one by one. */
+TGT static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs) {
     const ColiFfnMat *m = a->m;
     memset(zs, 0, sizeof(float) * (size_t)(2 * a->ldp));
     const uint8_t *zrow = m->zeros + g * (m->n_out / 8) * 4;
     int64_t s0 = g * m->n_out + a->c0, c = 0;
-    const float zb = bias + (float)m->zero_plus_one;
+    const float zb = (float)m->zero_plus_one;
     for (; a->gptq && c + L <= a->n && m->scale_format != COLI_SCALE_UE8M0; c += L) {
         vstore(zs + c, vadd(vzeros8(zrow + 4 * ((a->c0 + c) / 8)), vset1(zb)));
         vstore(zs + a->ldp + c, vload_scales(m->scale_format, m->scales, s0 + c));
@@ -407,7 +407,7 @@ TGT static void FN(ax_params)(const FN(AxInfo) *a, int64_t g, float *zs, float b
     for (; c < a->n; c++) {
         int64_t i = FN(ax_index)(a, c), col = a->c0 + c;
         int nib = a->awq ? COLI_AWQ_NIBBLE[col % 8] : (int)(col % 8);
-        zs[i] = (float)(((zrow[4 * (col / 8) + nib / 2] >> (4 * (nib & 1))) & 0xf) + m->zero_plus_one) + bias;
+        zs[i] = (float)(((zrow[4 * (col / 8) + nib / 2] >> (4 * (nib & 1))) & 0xf) + m->zero_plus_one);
         uint16_t h;
         switch (m->scale_format) {
         case COLI_SCALE_F16:
@@ -465,8 +465,8 @@ TGT INLINE VF FN(ax_plain)(const FN(AxInfo) *a, int64_t k, int64_t v) {
 /* SINGLE weight of input k to vector v (zg: its group's parameters). */
 TGT INLINE VF FN(ax_weight)(const FN(AxInfo) *a, int64_t k, int64_t v, const float *zg) {
     if (!a->gptq) return FN(ax_plain)(a, k, v);
-    VF q = nib_biased(FN(ax_words)(a, k / 8, v), (int)(k % 8));  /* zg: z + 2^23 */
-    return vmul(vsub(q, vload(zg + v * L)), vload(zg + a->ldp + v * L));
+    /* act order: q s, exact (4 and 11 bits); z s comes off per group (ax_correct) */
+    return vmul(FN(ax_nib)(FN(ax_words)(a, k / 8, v), (int)(k % 8)), vload(zg + a->ldp + v * L));
 }
 
 /* GROUPED, streaming: inputs [k0, k1) of one group into p (TB rows of ldp).
@@ -622,49 +622,34 @@ AX_SINGLE_STREAM(4)
 #undef AX_SINGLE_STREAM
 
 /* SINGLE GPTQ with act order, whole vectors: a word row's eight inputs
- * from one load, each weighted by its own group's parameters (the same
- * sums as ax_single_stream). Panels of PV vectors, their sums in registers
- * over every word row, so that the parameters a panel reads (two vectors
- * per group and vector) stay in cache instead of streaming from L2 with
- * every word. */
+ * from one load, each weight q s with its own group's scales (the same sums
+ * as ax_single_stream); stored rows streamed in order, so that cold weights
+ * stream at the memory's rate. */
 #define AX_ACT_STREAM(TB)                                                                    \
     TGT static void FN(ax_act_stream_##TB)(const FN(AxInfo) *a, int64_t nvf, const float *x, \
                                            int64_t ldx, float *acc, const float *zs) {       \
-        enum { PV = AX_NV / TB > 0 ? AX_NV / TB : 1 };                                       \
         const ColiFfnMat *m = a->m;                                                          \
         const int64_t ldp = a->ldp, rs = m->n_out * 4;                                       \
-        for (int64_t v0 = 0; v0 < nvf; v0 += PV) {                                           \
-            VF s[TB][PV];                                                                    \
-            UNROLL for (int t = 0; t < TB; t++)                                              \
-                UNROLL for (int i = 0; i < PV; i++)                                          \
-                    s[t][i] = v0 + i < nvf ? vload(acc + t * ldp + (v0 + i) * L) : vzero();  \
-            for (int64_t r = 0; r < m->n_in / 8; r++) {                                      \
-                const uint8_t *row = m->data + r * rs + a->c0 * 4;                           \
-                const float *zg[8];                                                          \
-                VF xb[TB][8];                                                                \
-                UNROLL for (int j = 0; j < 8; j++) {                                         \
-                    zg[j] = zs + 2 * ldp * coli_ffn_group_of(m, 8 * r + j);                  \
-                    UNROLL for (int t = 0; t < TB; t++) xb[t][j] = vset1(x[t * ldx + 8 * r + j]); \
-                }                                                                            \
-                UNROLL for (int i = 0; i < PV; i++) {                                        \
-                    int64_t v = v0 + i;                                                      \
-                    if (v >= nvf) break;                                                     \
-                    if ((v * L * 4) % 64 == 0)                                               \
-                        _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
-                    VI words = vload_words(row + v * L * 4, L);                              \
-                    /* one load of the words, not one per nibble */                          \
-                    __asm__("" : "+x"(words));                                               \
-                    VF w[8];                                                                 \
-                    UNROLL for (int j = 0; j < 8; j++)                                       \
-                        w[j] = vmul(vsub(nib_biased(words, j), vload(zg[j] + v * L)),        \
-                                    vload(zg[j] + ldp + v * L));                             \
-                    UNROLL for (int t = 0; t < TB; t++)                                      \
-                        UNROLL for (int j = 0; j < 8; j++) s[t][i] = vfma(w[j], xb[t][j], s[t][i]); \
+        for (int64_t r = 0; r < m->n_in / 8; r++) {                                          \
+            const uint8_t *row = m->data + r * rs + a->c0 * 4;                               \
+            const float *sg[8];                                                              \
+            VF xb[TB][8];                                                                    \
+            UNROLL for (int j = 0; j < 8; j++) {                                             \
+                sg[j] = zs + 2 * ldp * coli_ffn_group_of(m, 8 * r + j) + ldp;                \
+                UNROLL for (int t = 0; t < TB; t++) xb[t][j] = vset1(x[t * ldx + 8 * r + j]); \
+            }                                                                                \
+            for (int64_t v = 0; v < nvf; v++) {                                              \
+                if ((v * L * 4) % 64 == 0)                                                   \
+                    _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
+                VI words = vload_words(row + v * L * 4, L);                                  \
+                VF w[8];                                                                     \
+                UNROLL for (int j = 0; j < 8; j++) w[j] = vmul(FN(ax_nib)(words, j), vload(sg[j] + v * L)); \
+                UNROLL for (int t = 0; t < TB; t++) {                                        \
+                    VF s = vload(acc + t * ldp + v * L);                                     \
+                    UNROLL for (int j = 0; j < 8; j++) s = vfma(w[j], xb[t][j], s);          \
+                    vstore(acc + t * ldp + v * L, s);                                        \
                 }                                                                            \
             }                                                                                \
-            UNROLL for (int t = 0; t < TB; t++)                                              \
-                UNROLL for (int i = 0; i < PV; i++)                                          \
-                    if (v0 + i < nvf) vstore(acc + t * ldp + (v0 + i) * L, s[t][i]);         \
         }                                                                                    \
     }
 AX_ACT_STREAM(1)
@@ -739,14 +724,14 @@ TGT static void FN(ax_decode_tile)(const FN(AxInfo) *a, int64_t k0, int kc, cons
         k0 % 8 == 0 && kc % 8 == 0) {  /* act order, whole words: each word once */
         for (int j = 0; j < kc; j += 8) {
             const uint8_t *row = m->data + ((k0 + j) / 8 * m->n_out + a->c0) * 4;
-            const float *zg[8];
-            UNROLL for (int i = 0; i < 8; i++) zg[i] = zs + 2 * a->ldp * coli_ffn_group_of(m, k0 + j + i);
+            const float *sg[8];
+            UNROLL for (int i = 0; i < 8; i++)
+                sg[i] = zs + 2 * a->ldp * coli_ffn_group_of(m, k0 + j + i) + a->ldp;
             UNROLL for (int v = 0; v < FN(AX_PANEL); v++) {
                 VI words = vload_words(row + v * L * 4, L);
                 UNROLL for (int i = 0; i < 8; i++)  /* as ax_weight */
                     vstore(tile + ((j + i) * FN(AX_PANEL) + v) * L,
-                           vmul(vsub(nib_biased(words, i), vload(zg[i] + v * L)),
-                                vload(zg[i] + a->ldp + v * L)));
+                           vmul(FN(ax_nib)(words, i), vload(sg[i] + v * L)));
             }
         }
         return;
@@ -783,16 +768,40 @@ TGT static void FN(ax_tile_tokens)(const float *tile, int kc, const float *x, in
         }
 }
 
-/* Scratch: acc and p (tokens x ldp each), the parameters, a tile. */
+/* Scratch: acc and p (tokens x ldp each), the parameters, a tile; act
+ * order: the tokens' group sums. */
 static size_t FN(ax_scratch)(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
     int64_t ldp = tokens <= COLI_FFN_STREAM_TOKENS ? FN(ax_info)(m, n0, n1).ldp
                                                    : FN(AX_PANEL) * L;
-    int64_t zs = 2 * ldp * (m->g_idx ? m->groups : 1);
-    return sizeof(float) * (size_t)(2 * ldp * tokens + zs + FN(AX_CHUNK) * FN(AX_PANEL) * L);
+    int64_t zs = 2 * ldp * (m->g_idx ? m->groups : 1), xg = m->g_idx ? tokens * m->groups : 0;
+    return sizeof(float) * (size_t)(2 * ldp * tokens + zs + FN(AX_CHUNK) * FN(AX_PANEL) * L + xg);
 }
 
-/* Sums of one range (the thread's, streaming; a panel, tiled) into dst. */
-TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int tiled) {
+/* Act order: each token's sum of the inputs of each group, in input order. */
+static void FN(ax_group_inputs)(const ColiFfnMat *m, const ColiFfnTask *task, float *X) {
+    const float *x = (const float *)task->x;
+    memset(X, 0, sizeof(float) * (size_t)(task->tokens * m->groups));
+    for (int t = 0; t < task->tokens; t++)
+        for (int64_t k = 0; k < m->n_in; k++) X[t * m->groups + coli_ffn_group_of(m, k)] += x[t * task->ldx + k];
+}
+
+/* Act order: the groups' z s X off every sum, group after group (zs: z s
+ * then s per group; X: ax_group_inputs'). */
+TGT static void FN(ax_correct)(const FN(AxInfo) *a, const float *zs, const float *X, int tokens,
+                               float *acc) {
+    const ColiFfnMat *m = a->m;
+    for (int64_t g = 0; g < m->groups; g++)
+        for (int t = 0; t < tokens; t++) {
+            VF xg = vset1(X[t * m->groups + g]);
+            for (int64_t v = 0; v < a->nv; v++)
+                vstore(acc + t * a->ldp + v * L, vfnmadd(vload(zs + 2 * a->ldp * g + v * L), xg,
+                                                         vload(acc + t * a->ldp + v * L)));
+        }
+}
+
+/* Sums of one range (the thread's, streaming; a panel, tiled) into dst (X:
+ * act order's group sums of the inputs). */
+TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int tiled, const float *X) {
     const ColiFfnMat *m = a->m;
     int64_t ldp = a->ldp;
     int tokens = task->tokens;
@@ -800,9 +809,13 @@ TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int ti
     float *acc = (float *)task->scratch, *p = acc + ldp * tokens, *zs = p + ldp * tokens;
     float *tile = zs + 2 * ldp * (m->g_idx ? m->groups : 1);
     memset(acc, 0, sizeof(float) * (size_t)(ldp * tokens));
-    if (m->g_idx)
-        for (int64_t g = 0; g < m->groups; g++)
-            FN(ax_params)(a, g, zs + 2 * a->ldp * g, (float)FN(AX_BIAS));
+    if (m->g_idx)  /* act order: z s (exact: 5 and 11 bits) and s per group */
+        for (int64_t g = 0; g < m->groups; g++) {
+            float *zg = zs + 2 * a->ldp * g;
+            FN(ax_params)(a, g, zg);
+            for (int64_t v = 0; v < a->nv; v++)
+                vstore(zg + v * L, vmul(vload(zg + v * L), vload(zg + a->ldp + v * L)));
+        }
     int64_t groups = a->grouped ? m->groups : 1;
     for (int64_t g = 0; g < groups; g++) {
         int64_t k0 = a->grouped ? g * m->group : 0;
@@ -849,25 +862,30 @@ TGT static void FN(ax_sums)(const FN(AxInfo) *a, const ColiFfnTask *task, int ti
             FN(ax_tile_tokens)(tile, kc, x + k, task->ldx, tokens, sums, ldp);
         }
         if (a->grouped) {
-            FN(ax_params)(a, g, zs, 0.0f);
+            FN(ax_params)(a, g, zs);
             FN(ax_flush)(a, zs, task->xs, task->ldxs, g, tokens, p, acc);
         }
     }
+    if (m->g_idx) FN(ax_correct)(a, zs, X, tokens, acc);
     for (int t = 0; t < tokens; t++)
         for (int64_t c = 0; c < a->n; c++)
             task->dst[t * task->ld_dst + a->c0 + c] = acc[t * ldp + FN(ax_index)(a, c)];
 }
 
 TGT static void FN(ax_run)(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    if (task->tokens <= COLI_FFN_STREAM_TOKENS) {
+    int tiled = task->tokens > COLI_FFN_STREAM_TOKENS;
+    size_t used = FN(ax_scratch)(m, n0, n1, task->tokens);
+    float *X = m->g_idx ? (float *)(task->scratch + used) - task->tokens * m->groups : NULL;
+    if (X) FN(ax_group_inputs)(m, task, X);
+    if (!tiled) {
         FN(AxInfo) a = FN(ax_info)(m, n0, n1);
-        FN(ax_sums)(&a, task, 0);
+        FN(ax_sums)(&a, task, 0, X);
         return;
     }
     for (int64_t c = n0; c < n1; c += FN(AX_PANEL) * L) {
         FN(AxInfo) a = FN(ax_info)(m, c, c + FN(AX_PANEL) * L < n1 ? c + FN(AX_PANEL) * L : n1);
         a.ldp = FN(AX_PANEL) * L;  /* the tile's sums: whole panels */
-        FN(ax_sums)(&a, task, 1);
+        FN(ax_sums)(&a, task, 1, X);
     }
 }
 
