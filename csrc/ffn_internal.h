@@ -215,6 +215,13 @@ static inline int64_t coli_ffn_pos(int order, int64_t k) {
     return (k & ~(int64_t)63) + (k & 1) * 32 + ((k & 63) >> 1);
 }
 
+/* Streaming kernels: a line `ahead` bytes on into L1, and twice as far
+ * into L2 (more misses in flight than L1's alone: measured faster cold). */
+static inline void ffn_prefetch2(const char *p, int64_t ahead) {
+    __builtin_prefetch(p + 2 * ahead, 0, 1);
+    __builtin_prefetch(p + ahead, 0, 3);
+}
+
 static inline int64_t coli_ffn_round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 #endif /* COLI_FFN_INTERNAL_H */

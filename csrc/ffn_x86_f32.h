@@ -110,7 +110,7 @@ static const uint8_t *FN(block_src)(const uint8_t *src, int64_t k0, int64_t n_in
         for (int64_t b = 0; b < (D)->blocks; b++, src_ += 32) {                              \
             uint8_t pad_[COLI_FFN_BLOCK * 4];                                                \
             const uint8_t *p_ = FN(block_src)(src_, b * COLI_FFN_BLOCK, m_->n_in, 1, 0, pad_); \
-            _mm_prefetch((const char *)src_ + COLI_FFN_PREFETCH, _MM_HINT_T0);              \
+            ffn_prefetch2((const char *)src_, COLI_FFN_PREFETCH);                            \
             TAB16 th_[2];                                                                    \
             UNROLL for (int h_ = 0; h_ < 2; h_++) {                                          \
                 th_[h_] = tab_;                                                              \
@@ -151,7 +151,7 @@ static const uint8_t *FN(block_src)(const uint8_t *src, int64_t k0, int64_t n_in
             uint8_t pad_[COLI_FFN_BLOCK * 4];                                                \
             const uint8_t *p_ = FN(block_src)(src_, b * COLI_FFN_BLOCK, m_->n_in, 0, eb_, pad_); \
             UNROLL for (int i_ = 0; i_ < eb_; i_++)                                          \
-                _mm_prefetch((const char *)src_ + COLI_FFN_PREFETCH + 64 * i_, _MM_HINT_T0); \
+                ffn_prefetch2((const char *)src_ + 64 * i_, COLI_FFN_PREFETCH);              \
             VF w[FN(VPB)];                                                                   \
             UNROLL for (int v_ = 0; v_ < FN(VPB); v_++) {                                    \
                 w[v_] = plain_vec(F, p_ + v_ * L * eb_);                                     \
@@ -640,7 +640,7 @@ AX_SINGLE_STREAM(4)
             }                                                                                \
             for (int64_t v = 0; v < nvf; v++) {                                              \
                 if ((v * L * 4) % 64 == 0)                                                   \
-                    _mm_prefetch((const char *)row + v * L * 4 + a->ahead * rs, _MM_HINT_T0); \
+                    ffn_prefetch2((const char *)row + v * L * 4, a->ahead * rs);             \
                 VI words = vload_words(row + v * L * 4, L);                                  \
                 VF w[8];                                                                     \
                 UNROLL for (int j = 0; j < 8; j++) w[j] = vmul(FN(ax_nib)(words, j), vload(sg[j] + v * L)); \
