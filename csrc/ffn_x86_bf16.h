@@ -614,19 +614,53 @@ BF16 INLINE void gq_params(const GxInfo *q, int64_t g, int64_t v, __m512 *zv, __
     *sv = qs_scales(m->scale_format, m->scales, g * m->n_out + o, k);
 }
 
+/* A group of a GPTQ or AWQ panel (info: its GxInfo; zsv: the group's 128 +
+ * z and s of every sum vector of the panel, 32 floats each). */
+typedef void (*GxGroupFn)(const void *info, int64_t g, const float *zsv, const uint16_t *x,
+                          int64_t ldx, int64_t part, const float *xs, int64_t ldxs, float *p,
+                          float *acc, int64_t ldp);
+/* A group's zsv for a panel. */
+typedef void (*GxParamsFn)(const void *info, int64_t g, float *zsv);
+/* One token's results of a panel from its sums. */
+typedef void (*GxStoreFn)(const void *info, const float *acc, float *dst);
+
+/* The group's flush of n sum vectors for tb tokens: acc = fma(p - (128 + z)
+ * xs, s, acc) (xs: token t's group sum at xs[t * ldxs]). */
+BF16 INLINE void gx_flush(const float *zsv, int64_t n, int tb, const float *xs, int64_t ldxs,
+                          const float *p, float *acc, int64_t ldp) {
+    for (int64_t i = 0; i < n; i++) {
+        __m512 zv = _mm512_loadu_ps(zsv + 32 * i), sv = _mm512_loadu_ps(zsv + 32 * i + 16);
+        for (int t = 0; t < tb; t++) {
+            __m512 d = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[t * ldxs]), _mm512_loadu_ps(p + t * ldp + 16 * i));
+            _mm512_storeu_ps(acc + t * ldp + 16 * i,
+                             _mm512_fmadd_ps(d, sv, _mm512_loadu_ps(acc + t * ldp + 16 * i)));
+        }
+    }
+}
+
+BF16 static void gq_group_params(const void *info, int64_t g, float *zsv) {
+    const GxInfo *q = info;
+    for (int64_t v = 0; v < q->nv; v++) {
+        __m512 zv, sv;
+        gq_params(q, g, v, &zv, &sv);
+        _mm512_storeu_ps(zsv + 32 * v, zv);
+        _mm512_storeu_ps(zsv + 32 * v + 16, sv);
+    }
+}
+
 /* Group g of the range's vectors for TB tokens, NS parts: p (TB rows of ldp
  * floats) gets the terms, acc the group's flush. */
 #define GQ_GROUP(TB, NS)                                                                     \
-    BF16 static void gq_group_##TB##_##NS(const void *info, int64_t g, const uint16_t *x,   \
-                                          int64_t ldx, int64_t part, const float *xs,        \
-                                          int64_t ldxs, float *p, float *acc, int64_t ldp) { \
+    BF16 static void gq_group_##TB##_##NS(const void *info, int64_t g, const float *zsv,    \
+                                          const uint16_t *x, int64_t ldx, int64_t part,      \
+                                          const float *xs, int64_t ldxs, float *p,           \
+                                          float *acc, int64_t ldp) {                         \
         const GxInfo *q = info;                                                              \
         const ColiFfnMat *m = q->m;                                                          \
-        const int64_t v0 = 0, v1 = q->nv;                                                    \
+        const int64_t v1 = q->nv;                                                            \
         const int64_t rs = m->n_out * 4;                                                     \
         const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
-        for (int t = 0; t < TB; t++)                                                         \
-            memset(p + t * ldp + 16 * v0, 0, sizeof(float) * (size_t)(16 * (v1 - v0)));      \
+        for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(16 * v1)); \
         /* Two word rows per pass over p; a row past the group is zeros (its
          * terms add exact zeros). */                                                      \
         int64_t r1 = (g + 1) * q->wpg;                                                       \
@@ -646,7 +680,7 @@ BF16 INLINE void gq_params(const GxInfo *q, int64_t g, int64_t v, __m512 *zv, __
                             xp[i][t][j][h] = (__m512bh)_mm512_set1_epi32(pair);              \
                         }                                                                    \
             }                                                                                \
-            for (int64_t v = v0; v < v1; v++) {                                              \
+            for (int64_t v = 0; v < v1; v++) {                                               \
                 __mmask16 k = gq_lanes(q, v);                                                \
                 __m512 a[2][TB]; /* two chains: the first row's terms after p, the second's */ \
                 UNROLL for (int t = 0; t < TB; t++) {                                        \
@@ -668,29 +702,13 @@ BF16 INLINE void gq_params(const GxInfo *q, int64_t g, int64_t v, __m512 *zv, __
                     _mm512_storeu_ps(p + t * ldp + 16 * v, _mm512_add_ps(a[0][t], a[1][t]));  \
             }                                                                                \
         }                                                                                    \
-        for (int64_t v = v0; v < v1; v++) {                                                  \
-            __m512 zv, sv;                                                                   \
-            gq_params(q, g, v, &zv, &sv);                                                    \
-            UNROLL for (int t = 0; t < TB; t++) {                                            \
-                __m512 d = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[t * ldxs + g]),            \
-                                            _mm512_loadu_ps(p + t * ldp + 16 * v));          \
-                _mm512_storeu_ps(acc + t * ldp + 16 * v,                                     \
-                                 _mm512_fmadd_ps(d, sv, _mm512_loadu_ps(acc + t * ldp + 16 * v))); \
-            }                                                                                \
-        }                                                                                    \
+        gx_flush(zsv, q->nv, TB, xs, ldxs, p, acc, ldp);                                     \
     }
 GQ_GROUP(1, 1)
 GQ_GROUP(2, 1)
 GQ_GROUP(1, 2)
 GQ_GROUP(2, 2)
 #undef GQ_GROUP
-
-/* A group of a GPTQ or AWQ panel (info: its GxInfo or GxInfo). */
-typedef void (*GxGroupFn)(const void *info, int64_t g, const uint16_t *x, int64_t ldx,
-                          int64_t part, const float *xs, int64_t ldxs, float *p, float *acc,
-                          int64_t ldp);
-/* One token's results of a panel from its sums. */
-typedef void (*GxStoreFn)(const void *info, const float *acc, float *dst);
 
 static const GxGroupFn GQ_GROUPS[2][2] = {{gq_group_1_1, gq_group_2_1}, {gq_group_1_2, gq_group_2_2}};
 
@@ -700,19 +718,22 @@ enum { GX_TOKENS = 32 };
 /* Every token of a panel: blocks of up to GX_TOKENS tokens, each group
  * for every two of them (the group's rows of the panel stay in cache), then
  * the results. */
-static void gx_tokens(const void *info, const GxGroupFn fns[2], GxStoreFn store, int64_t groups,
-                      const ColiFfnTask *task, int64_t part, float *p, float *acc, int64_t ldp) {
+static void gx_tokens(const void *info, const GxGroupFn fns[2], GxParamsFn params, GxStoreFn store,
+                      int64_t groups, const ColiFfnTask *task, int64_t part, float *p, float *acc,
+                      int64_t ldp, float *zsv) {
     const uint16_t *x = (const uint16_t *)task->x;
     for (int b0 = 0; b0 < task->tokens; b0 += GX_TOKENS) {
         int nb = task->tokens - b0 < GX_TOKENS ? task->tokens - b0 : GX_TOKENS;
         memset(acc, 0, sizeof(float) * (size_t)(nb * ldp));
-        for (int64_t g = 0; g < groups; g++)
+        for (int64_t g = 0; g < groups; g++) {
+            params(info, g, zsv);
             for (int t0 = b0; t0 < b0 + nb;) {
                 int tb = b0 + nb - t0 >= 2 ? 2 : 1;
-                fns[tb - 1](info, g, x + t0 * task->ldx, task->ldx, part, task->xs + t0 * task->ldxs,
-                            task->ldxs, p, acc + (t0 - b0) * ldp, ldp);
+                fns[tb - 1](info, g, zsv, x + t0 * task->ldx, task->ldx, part,
+                            task->xs + t0 * task->ldxs + g, task->ldxs, p, acc + (t0 - b0) * ldp, ldp);
                 t0 += tb;
             }
+        }
         for (int t = 0; t < nb; t++) store(info, acc + t * ldp, task->dst + (b0 + t) * task->ld_dst);
     }
 }
@@ -784,12 +805,24 @@ BF16 INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j
     }
 }
 
+BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
+    const GxInfo *a = info;
+    for (int64_t seg = 0; seg < a->nv; seg++)
+        for (int n = 0; n < 8; n++) {
+            __m512 zv, sv;
+            aq_params(a, g, seg, n / 4, n % 4, &zv, &sv);
+            _mm512_storeu_ps(zsv + 32 * (8 * seg + n), zv);
+            _mm512_storeu_ps(zsv + 32 * (8 * seg + n) + 16, sv);
+        }
+}
+
 /* Group g of the range's segments for TB tokens, NS parts into p (TB rows
  * of ldp floats: segment seg's vector n at 16 (8 seg + n)), then acc. */
 #define AQ_GROUP(TB, NS)                                                                     \
-    BF16 static void aq_group_##TB##_##NS(const void *info, int64_t g, const uint16_t *x,   \
-                                          int64_t ldx, int64_t part, const float *xs,        \
-                                          int64_t ldxs, float *p, float *acc, int64_t ldp) { \
+    BF16 static void aq_group_##TB##_##NS(const void *info, int64_t g, const float *zsv,    \
+                                          const uint16_t *x, int64_t ldx, int64_t part,      \
+                                          const float *xs, int64_t ldxs, float *p,           \
+                                          float *acc, int64_t ldp) {                         \
         const GxInfo *a = info;                                                              \
         const ColiFfnMat *m = a->m;                                                          \
         const int64_t rs = m->n_out / 2;                                                     \
@@ -845,17 +878,7 @@ BF16 INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
-        for (int64_t seg = 0; seg < a->nv; seg++)                                          \
-            for (int n = 0; n < 8; n++) {                                                    \
-                __m512 zv, sv;                                                               \
-                aq_params(a, g, seg, n / 4, n % 4, &zv, &sv);                                \
-                UNROLL for (int t = 0; t < TB; t++) {                                        \
-                    int64_t at = t * ldp + 16 * (8 * seg + n);                               \
-                    __m512 d = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xs[t * ldxs + g]),        \
-                                                _mm512_loadu_ps(p + at));                    \
-                    _mm512_storeu_ps(acc + at, _mm512_fmadd_ps(d, sv, _mm512_loadu_ps(acc + at))); \
-                }                                                                            \
-            }                                                                                \
+        gx_flush(zsv, 8 * a->nv, TB, xs, ldxs, p, acc, ldp);                                 \
     }
 AQ_GROUP(1, 1)
 AQ_GROUP(2, 1)
@@ -894,8 +917,9 @@ static int64_t gx_panel(const GxInfo *q, int tokens) {
 
 static size_t gx_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
     GxInfo q = gx_info(m, n0, n1);
-    int64_t ldp = (q.awq ? 128 : 16) * gx_panel(&q, tokens);
-    return sizeof(float) * (size_t)((2 + (tokens < GX_TOKENS ? tokens : GX_TOKENS)) * ldp);
+    int64_t ldp = (q.awq ? 128 : 16) * gx_panel(&q, tokens);  /* the floats of a panel's sum vectors */
+    int nb = tokens < GX_TOKENS ? tokens : GX_TOKENS;  /* p, acc, the params */
+    return sizeof(float) * (size_t)((2 + nb + 2) * ldp);
 }
 
 BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
@@ -909,8 +933,10 @@ BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const Coli
         qp.n = q.n - width * u0 < ldp ? q.n - width * u0 : ldp;
         qp.words = (qp.n + 7) / 8;
         qp.nv = (qp.n + width - 1) / width;
-        gx_tokens(&qp, q.awq ? AQ_GROUPS[ns - 1] : GQ_GROUPS[ns - 1], q.awq ? aq_store : gq_store,
-                  m->groups, task, part, p, p + 2 * ldp, ldp);
+        gx_tokens(&qp, q.awq ? AQ_GROUPS[ns - 1] : GQ_GROUPS[ns - 1],
+                  q.awq ? aq_group_params : gq_group_params, q.awq ? aq_store : gq_store, m->groups,
+                  task, part, p, p + 2 * ldp, ldp,
+                  p + (2 + (task->tokens < GX_TOKENS ? task->tokens : GX_TOKENS)) * ldp);
     }
 }
 
