@@ -182,6 +182,7 @@ BF16 static void bf_decode_rows(const BfInfo *d, int64_t o0, int nr, uint16_t *t
         const uint8_t *row = d->m->data + (o0 + r) * d->row_bytes;
         for (int64_t b = 0; b < d->blocks; b++) {
             __m512i a, bb;
+            if (b % 2 == 0) _mm_prefetch((const char *)row + 32 * b + BF_AHEAD, _MM_HINT_T0);
             bf_decode(bf_bytes(row, b, b < d->whole), bf_mx_table(d, o0 + r, b), &a, &bb);
             _mm512_storeu_si512(w + 64 * b, a);
             _mm512_storeu_si512(w + 64 * b + 32, bb);

@@ -728,6 +728,7 @@ TGT static void FN(ax_decode_tile)(const FN(AxInfo) *a, int64_t k0, int kc, cons
             UNROLL for (int i = 0; i < 8; i++)
                 sg[i] = zs + 2 * a->ldp * coli_ffn_group_of(m, k0 + j + i) + a->ldp;
             UNROLL for (int v = 0; v < FN(AX_PANEL); v++) {
+                if ((v * L * 4) % 64 == 0) ffn_prefetch2((const char *)row + v * L * 4, a->ahead * m->n_out * 4);
                 VI words = vload_words(row + v * L * 4, L);
                 UNROLL for (int i = 0; i < 8; i++)  /* as ax_weight */
                     vstore(tile + ((j + i) * FN(AX_PANEL) + v) * L,
