@@ -830,13 +830,15 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
         const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
         int64_t k0 = g * m->group, k1 = k0 + m->group < m->n_in ? k0 + m->group : m->n_in;  \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(128 * a->nv)); \
-        /* Two pairs of rows per pass over p; a pair past the group is zeros
+        /* NP pairs of rows per pass over p (four with one token: half the
+         * traffic; two with two: registers); a pair past the group is zeros
          * (its terms add exact zeros). */                                                 \
-        for (int64_t k = k0; k < k1; k += 4) {                                               \
-            const uint8_t *ra[2], *rb[2];                                                    \
-            __mmask16 use[2][2];                                                             \
-            __m512bh xp[2][TB][NS];                                                          \
-            UNROLL for (int i = 0; i < 2; i++) {                                             \
+        enum { NP = TB == 1 ? 4 : 2 };                                                       \
+        for (int64_t k = k0; k < k1; k += 2 * NP) {                                          \
+            const uint8_t *ra[NP], *rb[NP];                                                  \
+            __mmask16 use[NP][2];                                                            \
+            __m512bh xp[NP][TB][NS];                                                         \
+            UNROLL for (int i = 0; i < NP; i++) {                                            \
                 int64_t ki = k + 2 * i;                                                      \
                 ra[i] = m->data + (ki < k1 ? ki : k0) * rs + a->c0 / 2;                      \
                 rb[i] = ra[i] + rs;                                                          \
@@ -851,15 +853,15 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
             }                                                                                \
             for (int64_t seg = 0; seg < a->nv; seg++) {                                    \
                 __mmask16 lanes = aq_lanes(a, seg);                                          \
-                __m512i A[2], B[2];                                                          \
-                UNROLL for (int i = 0; i < 2; i++) {                                         \
+                __m512i A[NP], B[NP];                                                        \
+                UNROLL for (int i = 0; i < NP; i++) {                                        \
                     ffn_prefetch2((const char *)ra[i] + 64 * seg, a->ahead * rs);              \
                     ffn_prefetch2((const char *)rb[i] + 64 * seg, a->ahead * rs);              \
                     A[i] = _mm512_maskz_loadu_epi32(lanes & use[i][0], ra[i] + 64 * seg);    \
                     B[i] = _mm512_maskz_loadu_epi32(lanes & use[i][1], rb[i] + 64 * seg);    \
                 }                                                                            \
-                __m512i U[2][2];                                                             \
-                UNROLL for (int i = 0; i < 2; i++) {                                         \
+                __m512i U[NP][2];                                                            \
+                UNROLL for (int i = 0; i < NP; i++) {                                        \
                     U[i][0] = _mm512_unpacklo_epi16(A[i], B[i]);                             \
                     U[i][1] = _mm512_unpackhi_epi16(A[i], B[i]);                             \
                 }                                                                            \
@@ -867,7 +869,7 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
                     __m512 acc_[TB];                                                         \
                     UNROLL for (int t = 0; t < TB; t++)                                      \
                         acc_[t] = _mm512_loadu_ps(p + t * ldp + 16 * (8 * seg + n));         \
-                    UNROLL for (int i = 0; i < 2; i++) {                                     \
+                    UNROLL for (int i = 0; i < NP; i++) {                                    \
                         __m512i w = _mm512_ternarylogic_epi32(                               \
                             _mm512_srli_epi32(U[i][n / 4], (unsigned)(4 * (n % 4))), lo, bias, 0xea); \
                         UNROLL for (int t = 0; t < TB; t++)                                  \
