@@ -830,9 +830,48 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
         const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
         int64_t k0 = g * m->group, k1 = k0 + m->group < m->n_in ? k0 + m->group : m->n_in;  \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(128 * a->nv)); \
-        /* NP pairs of rows per pass over p (four with one token: half the
-         * traffic; two with two: registers); a pair past the group is zeros
-         * (its terms add exact zeros). */                                                 \
+        if (a->nv <= 4) { /* a panel of many tokens: segment by segment, its 8 sums    \
+                           * in registers over the group's rows (in cache after the     \
+                           * first tokens): the same terms in the same order */         \
+            /* the next group's rows of the panel into L2, while this one works */       \
+            for (int64_t k = k1; k < k1 + (k1 - k0) && k < m->n_in; k++)                     \
+                for (int64_t seg = 0; seg < a->nv; seg++)                                    \
+                    _mm_prefetch((const char *)m->data + k * rs + a->c0 / 2 + 64 * seg, _MM_HINT_T2); \
+            for (int64_t seg = 0; seg < a->nv; seg++) {                                      \
+                __mmask16 lanes = aq_lanes(a, seg);                                          \
+                __m512 s8[8][TB];                                                            \
+                UNROLL for (int n = 0; n < 8; n++)                                           \
+                    UNROLL for (int t = 0; t < TB; t++) s8[n][t] = _mm512_setzero_ps();      \
+                for (int64_t k = k0; k < k1; k += 2) {                                       \
+                    const uint8_t *ra = m->data + k * rs + a->c0 / 2 + 64 * seg;             \
+                    __m512i A = _mm512_maskz_loadu_epi32(lanes, ra);                         \
+                    __m512i B = _mm512_maskz_loadu_epi32(k + 1 < k1 ? lanes : 0, ra + rs);   \
+                    __m512i U[2] = {_mm512_unpacklo_epi16(A, B), _mm512_unpackhi_epi16(A, B)}; \
+                    __m512bh xk[TB][NS];                                                     \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        UNROLL for (int h = 0; h < NS; h++) {                                \
+                            int32_t pair;                                                    \
+                            memcpy(&pair, x + t * ldx + h * part + k, sizeof pair);          \
+                            xk[t][h] = (__m512bh)_mm512_set1_epi32(pair);                    \
+                        }                                                                    \
+                    UNROLL for (int n = 0; n < 8; n++) {                                     \
+                        __m512i w = _mm512_ternarylogic_epi32(                               \
+                            _mm512_srli_epi32(U[n / 4], (unsigned)(4 * (n % 4))), lo, bias, 0xea); \
+                        UNROLL for (int t = 0; t < TB; t++)                                  \
+                            UNROLL for (int h = 0; h < NS; h++)                              \
+                                s8[n][t] = _mm512_dpbf16_ps(s8[n][t], (__m512bh)w, xk[t][h]); \
+                    }                                                                        \
+                }                                                                            \
+                UNROLL for (int n = 0; n < 8; n++)                                           \
+                    UNROLL for (int t = 0; t < TB; t++)                                      \
+                        _mm512_storeu_ps(p + t * ldp + 16 * (8 * seg + n), s8[n][t]);        \
+            }                                                                                \
+            gx_flush(zsv, 8 * a->nv, TB, xs, ldxs, p, acc, ldp);                             \
+            return;                                                                          \
+        }                                                                                    \
+        /* Rows streamed: NP pairs of rows per pass over p (four with one
+         * token: half the traffic; two with two: registers); a pair past the
+         * group is zeros (its terms add exact zeros). */                                  \
         enum { NP = TB == 1 ? 4 : 2 };                                                       \
         for (int64_t k = k0; k < k1; k += 2 * NP) {                                          \
             const uint8_t *ra[NP], *rb[NP];                                                  \

@@ -23,7 +23,9 @@
  *
  *   SINGLE (GPTQ with act order, plain and FP8 stored (in, out)): one
  *   running sum per output, acc = fma(w_k, x_k, acc) in input order, w_k =
- *   (q - z_g(k)) * s_g(k) or the plain value times its scale.
+ *   q_k * s_g(k) (exact) or the plain value times its scale; act order then
+ *   takes acc = fma(-(z_g s_g), X_g, acc) group after group (X_g: the sum
+ *   of the token's inputs of group g, in input order).
  *
  * Batches of at most COLI_FFN_STREAM_TOKENS tokens stream the weights in
  * stored order (rows of a DOT matrix one after another; whole stored rows

@@ -219,6 +219,34 @@ def test_a_call_larger_than_one_batch() -> None:
                 assert got[p].tobytes() == kernels.expert_ffn(ex, x[p:p + 1].copy())[0].tobytes()
 
 
+@pytest.mark.parametrize("fmt,hidden,inter,options", [
+    ("int4", 1152, 640, {"group": 128}), ("int4", 1280, 768, {"group": 256, "symmetric": False}),
+    ("int4", 1088, 704, {"group": 64}), ("int4", 1056, 672, {"group": 96}),
+    ("mxfp4", 1088, 640, {}), ("gptq", 1088, 768, {"group": 128, "g_idx": None}),
+    ("gptq", 1088, 768, {"group": 24, "g_idx": None}),
+    ("gptq", 1088, 768, {"group": 128, "g_idx": "act_order"}),
+    ("awq", 1088, 768, {"group": 128}), ("awq", 1088, 776, {"group": 10})])
+def test_wide_matrices_and_many_tokens(fmt: str, hidden: int, inter: int,
+                                       options: dict[str, Any]) -> None:
+    """Shapes past the small ones hypothesis draws: several panels of
+    outputs, a last partial block of inputs (1088 = 8 * 128 + 64), more
+    tokens than a block of the kernels holds (48: more than one block of 32
+    too), bfloat16 and float32: within the bounds, and each token the bits
+    it gets alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_format_checkpoint(tmp, fmt, hidden=hidden, intermediate=inter, experts=1, seed=4,
+                                **options)
+        for ex in _leased(Path(tmp), expert=0):
+            weights = colibri.dequantize(ex)
+            for dtype, bound in ((BF16, BF16_BOUND), (np.float32, F32_BOUND)):
+                x = _tokens(np.random.default_rng(6), 48, hidden, dtype)
+                got = kernels.expert_ffn(ex, x, threads=2)
+                assert relative_error(got, reference(weights, x, "silu")) <= bound
+                for p in (0, 1, 33, 47):
+                    alone = kernels.expert_ffn(ex, x[p:p + 1].copy(), threads=1)
+                    assert got[p].tobytes() == alone[0].tobytes(), (dtype, p)
+
+
 # ---------------------------------------------------------------- operands and threads
 
 
