@@ -60,6 +60,7 @@ Needs root (cgroups, drop_caches) and a mounted cgroup-v1 memory controller;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -239,8 +240,7 @@ def run_child(config: str, args: argparse.Namespace, model_dir: Path, workdir: P
         group = MemoryCgroup(f"colibri-genbench-{os.getpid()}-{config}-{rnd}", limit)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads),
                OPENBLAS_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     try:
         with open(log, "w") as logf:
@@ -371,7 +371,7 @@ def child(config: str, model_dir: Path, out: Path, offload: Path, plan: dict[str
         "wait_s": w_n - w_1, "io_wait_share": (w_n - w_1) / decode_s if config != "a" else 0.0,
         "prefill_wait_s": w_1 - w_p,
         "disk_mb_per_token": (r_n - r_1) / MB / steps, "prefill_disk_mb": (r_1 - r_p) / MB,
-        "generated": generated, **extra,
+        "generated": generated, "colibri": colibri_origin(), **extra,
     }
     if store is not None and s_1 is not None and s_n is not None:
         d = {k: s_n[k] - s_1[k] for k in ("requests", "hits", "misses", "prefetched", "prefetch_hits",
@@ -403,8 +403,7 @@ def run_decode_sim(ratio: float, p: float, args: argparse.Namespace, workdir: Pa
     if args.quick:
         cmd.append("--quick")
     print("\n$ " + " ".join(["python", "benchmarks/decode_sim.py"] + cmd[2:]), flush=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-2000:] + proc.stderr[-2000:])
         return {"ok": False}
@@ -413,7 +412,8 @@ def run_decode_sim(ratio: float, p: float, args: argparse.Namespace, workdir: Pa
     pilot = next(r for r in cold["rows"] if r["name"] == "PILOT w=2")
     none = next(r for r in cold["rows"] if r["name"] == "no prefetch")
     measured = [c["measured_ratio"] for c in data["calibrations"] if c.get("section") == "cold"]
-    return {"ok": True, "command": " ".join(cmd[1:]), "pilot_wait_share": pilot["io_wait_share"],
+    return {"ok": True, "command": " ".join(cmd[1:]), "colibri": data["environment"]["colibri"],
+            "pilot_wait_share": pilot["io_wait_share"],
             "none_wait_share": none["io_wait_share"], "pilot_hit_rate": pilot["hit_rate"],
             "pilot_precision": pilot["precision"], "measured_ratios": measured,
             "asked_ratio": ratio, "p": p, "pilot_speedup": pilot["speedup"]}
@@ -421,6 +421,12 @@ def run_decode_sim(ratio: float, p: float, args: argparse.Namespace, workdir: Pa
 
 # ---------------------------------------------------------------------------
 # the parent: plan, rounds, tables
+
+
+def colibri_origin() -> str | None:
+    """The file ``import colibri`` loads in this process (whether or not it has been imported)."""
+    spec = importlib.util.find_spec("colibri")
+    return str(Path(spec.origin).resolve()) if spec is not None and spec.origin else None
 
 
 def med(values: list[float]) -> float:
@@ -674,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": plan, "limit": limit, "cache_bytes": cache_bytes,
             "rounds": rounds, "compute_ratio": per_round_ratio, "decode_sim": sim,
             "goals": [dict(goal=g[0], value=g[1], target=g[2], met=g[3]) for g in goals],
-            "elapsed_s": elapsed, "unix_time": time.time(),
+            "elapsed_s": elapsed, "unix_time": time.time(), "colibri": colibri_origin(),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=1, default=str))
