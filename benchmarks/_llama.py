@@ -262,14 +262,35 @@ def decode(gguf_path: Path, prompt: list[int], tokens: int, threads: int, use_mm
     the argmax of the last logits (ties: the lowest id, as torch.argmax).
     Marks as generate.py's streamer takes them: before the prompt, after each
     token. ``read_bytes()`` is the process's bytes read from disk so far.
+
+    With ``use_mmap`` the weights are computed on where they are mapped
+    (``use_extra_bufts`` off, llama.cpp's ``--no-repack``): by default its CPU
+    backend copies Q4_0 and other quantized weights into a repacked layout in
+    anonymous memory at load, which holds the whole model in RAM and is
+    killed under a limit smaller than the model. In RAM it repacks (its
+    fastest).
     """
     import llama_cpp
+    import llama_cpp.llama_cpp as lib
     import numpy as np
 
+    defaults = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = defaults()
+        p.use_extra_bufts = not use_mmap
+        return p
+
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + tokens + 8, n_batch=max(len(prompt), 8),
-                          n_threads=threads, n_threads_batch=threads, use_mmap=use_mmap, use_mlock=False,
-                          logits_all=False, verbose=False)
+    lib.llama_model_default_params = params    # Llama() takes its model parameters from here
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + tokens + 8,
+                              n_batch=max(len(prompt), 8), n_threads=threads, n_threads_batch=threads,
+                              use_mmap=use_mmap, use_mlock=False, logits_all=False, verbose=False)
+    finally:
+        lib.llama_model_default_params = defaults
+    if llm.model_params.use_extra_bufts != (not use_mmap):
+        raise RuntimeError("llama_cpp.Llama did not take use_extra_bufts from llama_model_default_params")
     load_s = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
 

@@ -504,7 +504,7 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
 
         if config == "h":     # every expert in the cache, read at open
             options: dict[str, Any] = dict(
-                slots_per_layer=plan["n_experts"], prefetch=None, prefetch_workers=0, direct_io=False,
+                slots_per_layer=plan["n_experts"], prefetch=None, prefetch_workers=0, direct_io=plan["direct_io"],
                 warm=[(layer, e) for layer in plan["layers"] for e in range(plan["n_experts"])])
         else:
             options = dict(slots_per_layer=plan["slots"], prefetch="pilot" if config == "d" else None,
