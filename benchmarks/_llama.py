@@ -254,14 +254,16 @@ def readahead(path: Path, kb: int | None) -> Iterator[int | None]:
 # the child: greedy decode of token ids
 
 
-def decode(gguf_path: Path, prompt: list[int], tokens: int, threads: int, use_mmap: bool,
+def decode(gguf_path: Path, prompt: list[int], continuation: list[int], threads: int, use_mmap: bool,
            read_bytes: Any) -> dict[str, Any]:
-    """Loads ``gguf_path`` and decodes ``tokens`` tokens greedily after ``prompt``.
+    """Loads ``gguf_path`` and decodes ``continuation`` after ``prompt``, one token a step.
 
-    One ``llama_decode`` for the prompt, then one per token; the next token is
-    the argmax of the last logits (ties: the lowest id, as torch.argmax).
-    Marks as generate.py's streamer takes them: before the prompt, after each
-    token. ``read_bytes()`` is the process's bytes read from disk so far.
+    One ``llama_decode`` for the prompt, then one per token of the
+    continuation but the last; after each, the greedy prediction (the argmax
+    of the last logits; ties: the lowest id, as torch.argmax) is recorded and
+    the continuation's token is fed next. Marks as generate.py's streamer
+    takes them: before the prompt, after each token. ``read_bytes()`` is the
+    process's bytes read from disk so far.
 
     With ``use_mmap`` the weights are computed on where they are mapped
     (``use_extra_bufts`` off, llama.cpp's ``--no-repack``): by default its CPU
@@ -284,7 +286,7 @@ def decode(gguf_path: Path, prompt: list[int], tokens: int, threads: int, use_mm
     t0 = time.perf_counter()
     lib.llama_model_default_params = params    # Llama() takes its model parameters from here
     try:
-        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + tokens + 8,
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + len(continuation) + 8,
                               n_batch=max(len(prompt), 8), n_threads=threads, n_threads_batch=threads,
                               use_mmap=use_mmap, use_mlock=False, logits_all=False, verbose=False)
     finally:
@@ -300,14 +302,14 @@ def decode(gguf_path: Path, prompt: list[int], tokens: int, threads: int, use_mm
 
     marks = [(time.perf_counter(), read_bytes())]
     llm.eval(prompt)
-    out = [next_token()]
+    predicted = [next_token()]
     marks.append((time.perf_counter(), read_bytes()))
-    while len(out) < tokens:
-        llm.eval([out[-1]])
-        out.append(next_token())
+    for token in continuation[:-1]:
+        llm.eval([token])
+        predicted.append(next_token())
         marks.append((time.perf_counter(), read_bytes()))
     llm.close()
-    return {"load_s": load_s, "marks": marks, "generated": out,
+    return {"load_s": load_s, "marks": marks, "predicted": predicted,
             "llama_cpp": importlib.metadata.version(LLAMA_PACKAGE)}
 
 

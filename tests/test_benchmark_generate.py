@@ -155,5 +155,5 @@ def test_runs_pair_each_format_with_its_engines():
     assert {"bf16/1t/a", "bf16/2t/b", "bf16/1t/e/bf16", "4bit/2t/g/q4_k_m", "4bit/1t/h"} <= keys
     assert not [k for k in keys if k.startswith("4bit") and k.split("/")[2] in "ab"]
     assert sum(k.startswith("4bit/1t/") for k in keys) == 3 + 3 * 2   # c d h, and e f g per quant
-    assert generate.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert generate.first_difference([1, 5, 3], [1, 2, 4]) == 1
+    assert generate.differences([1, 2, 3], [1, 2, 3]) == []
+    assert generate.differences([1, 5, 3, 7], [1, 2, 4]) == [1, 2]
