@@ -2,9 +2,16 @@
 CPython extension of the lease type (csrc/py_lease.c), built with the same flags.
 
 The cdef is read from the headers themselves, so they stay the single source
-of truth: the public headers and the test hooks' header with '#' lines dropped
-and the bodies of static inline functions cut down to declarations, and the
-error codes' enum from the private coli_errors.h.
+of truth: the public headers with '#' lines dropped and the bodies of static
+inline functions cut down to declarations, the error codes' enums from the
+private coli_errors.h, and the old names of the compatibility header.
+
+Two builds share the sources. ``ffibuilder`` is the product: the package
+installs it. ``make_builder(test=True)`` is the test build of the core: the
+same sources compiled with -DCOLI_TEST_CONTROL plus ls_test_control.c, and
+coli_test_control in its cdef. The test suite builds it once per source
+hash (``build_test_core``) and runs against it; the product has no test
+control at all.
 
 Environment:
   COLIBRI_SANITIZE  "address,undefined" or "thread": a sanitizer build (assertions on)
@@ -25,11 +32,18 @@ if TYPE_CHECKING:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
-PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "lru_store.h")
-ERRORS_HEADER = "coli_errors.h"        # private: only its enum of error codes goes to cdef
-TEST_HOOKS_HEADER = "lru_test_hooks.h"  # compiled in, for the tests only
-SOURCES = ("lru_store.c", "ls_slots.c", "ls_policy.c", "ls_lookup.c", "ls_prefetch.c",
-           "expert_reader.c", "io_pool.c")
+MODULE = "colibri._colibri_cffi"
+PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "coli_sources.h", "coli_store.h", "ffn.h")
+COMPAT_HEADER = "lru_store.h"           # the names before the rename, for one release
+ERRORS_HEADER = "coli_errors.h"         # private: only its anonymous enums go to cdef
+SOURCES = ("ls_api.c", "ls_create.c", "ls_lookup.c", "ls_prefetch.c", "ls_slots.c", "ls_policy.c",
+           "ls_wait.c", "ls_stats.c", "expert_reader.c", "coli_formats.c", "io_pool.c",
+           "ffn.c", "ffn_scalar.c", "ffn_x86.c", "ffn_neon.c", "compute_pool.c")
+LIBRARIES = ("pthread", "m")  # m: expf and ldexpf of the kernels
+# The test build only: the control, its header and the define that compiles it in.
+TEST_CONTROL_HEADER = "coli_test_control.h"
+TEST_SOURCES = ("ls_test_control.c",)
+TEST_DEFINE = "COLI_TEST_CONTROL"
 
 
 def _declarations(header_text: str) -> str:
@@ -54,13 +68,30 @@ def _enums(header_text: str) -> str:
     return "\n".join(m.group(0) for m in re.finditer(r"^enum\s*\{.*?^\};", header_text, re.S | re.M))
 
 
-def _cdef() -> str:
-    def read(name: str) -> str:
-        return open(os.path.join(CSRC, name), encoding="utf-8").read()
+def _aliases(compat_text: str, cdef_text: str) -> str:
+    """The compatibility header as cdef reads it: its typedefs, and for each
+    ``#define old_name new_name`` of a function, new_name's declaration
+    under old_name (the C macro then maps cffi's call to the new function)."""
+    out = [_declarations(compat_text)]
+    for old, new in re.findall(r"^#define\s+(coli_\w+)\s+(coli_\w+)\s*$", compat_text, re.M):
+        found = re.search(r"^[A-Za-z_][^;{}\n]*?\b" + new + r"\([^;]*\);", cdef_text, re.M)
+        if not found:
+            raise ValueError(f"{COMPAT_HEADER}: {old} names {new}, which no public header declares")
+        out.append(found.group(0).replace(new + "(", old + "(", 1))
+    return "\n".join(out)
 
-    parts = [_enums(read(ERRORS_HEADER))]
-    parts += [_declarations(read(h)) for h in (*PUBLIC_HEADERS, TEST_HOOKS_HEADER)]
-    return "\n".join(parts)
+
+def _read(name: str) -> str:
+    return open(os.path.join(CSRC, name), encoding="utf-8").read()
+
+
+def _cdef(test: bool = False) -> str:
+    """The product's cdef; with test, the test build's (plus coli_test_control)."""
+    text = "\n".join([_enums(_read(ERRORS_HEADER)), *(_declarations(_read(h)) for h in PUBLIC_HEADERS)])
+    text += "\n" + _aliases(_read(COMPAT_HEADER), text)
+    if test:
+        text += "\n" + _declarations(_read(TEST_CONTROL_HEADER))
+    return text
 
 
 def _compile_args() -> tuple[list[str], list[str]]:
@@ -82,19 +113,31 @@ def _compile_args() -> tuple[list[str], list[str]]:
     return compile_args, link_args
 
 
-ffibuilder = FFI()
-ffibuilder.cdef(_cdef())
+def make_builder(test: bool = False) -> FFI:
+    """The core's builder: the product, or (test) the test build, which is
+    compiled with -DCOLI_TEST_CONTROL, ls_test_control.c and -Werror."""
+    builder = FFI()
+    builder.cdef(_cdef(test))
+    compile_args, link_args = _compile_args()
+    headers = ["coli_store.h", COMPAT_HEADER, "ffn.h"]
+    if test:
+        compile_args += [f"-D{TEST_DEFINE}", "-Werror"]
+        headers.append(TEST_CONTROL_HEADER)
+    builder.set_source(
+        MODULE,
+        "".join(f'#include "{h}"\n' for h in headers),
+        sources=[os.path.join(CSRC, s) for s in SOURCES + (TEST_SOURCES if test else ())],
+        include_dirs=[CSRC],
+        depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        libraries=list(LIBRARIES),
+    )
+    return builder
+
+
+ffibuilder = make_builder()
 _compile, _link = _compile_args()
-ffibuilder.set_source(
-    "colibri._colibri_cffi",
-    '#include "lru_store.h"\n#include "lru_test_hooks.h"',
-    sources=[os.path.join(CSRC, s) for s in SOURCES],
-    include_dirs=[CSRC],
-    depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")],
-    extra_compile_args=_compile,
-    extra_link_args=_link,
-    libraries=["pthread"],
-)
 
 
 def lease_extension() -> "Extension":
@@ -123,6 +166,16 @@ def build_in_place() -> None:
     build = dist.get_command_obj("build_ext")
     build.inplace = True
     dist.run_command("build_ext")
+
+
+def build_test_core(directory: str) -> str:
+    """Compiles the test build of the core into directory (made if missing)
+    and returns the path of its module file. It keeps the product's module
+    name, so a process that loads it in the product's place (the test
+    suite's conftest) runs every test against it; cffi's compile reads
+    ./pyproject.toml, as in build_in_place."""
+    os.makedirs(directory, exist_ok=True)
+    return str(make_builder(test=True).compile(tmpdir=directory, verbose=False))
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@
  * benchmarks/c_hit_path.py.
  *
  * It writes its own model file (raw bytes: LAYERS x EXPERTS experts of three
- * F16 ROWS x COLS tensors, back to back), opens an LRU store with a slot for
+ * F16 ROWS x COLS tensors, back to back), opens a store with a slot for
  * every expert, loads them all, then times:
  *
  *   mutex        an uncontended pthread mutex lock + unlock pair (baseline:
  *                the store's hit path takes one layer mutex twice)
  *   seq 1T       one thread: coli_expert_lookup + coli_expert_release of
  *                layer 0's experts in turn
- *   direct 1T    the same through coli_lru_lookup (no ops table, err NULL)
+ *   direct 1T    the same through coli_store_lookup (no ops table, err NULL)
  *   2T           two threads, thread t on layer t, the same loop; throughput
  *                of both against one thread alone
  *   scatter 1T   (scale mode) a decode-like key sequence over every layer:
@@ -28,7 +28,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "lru_store.h"
+#include "coli_store.h"
 
 #define TOPK 8
 #define SEQ_LEN 65536
@@ -92,7 +92,7 @@ static void *loop(void *p) {
     int e = 0;
     if (a->direct) {
         for (long i = 0; i < a->iters; i++) {
-            fails += coli_lru_lookup(a->store, a->layer, e, &v, NULL, 0) != 0;
+            fails += coli_store_lookup(a->store, a->layer, e, &v, NULL, 0) != 0;
             coli_expert_release(a->store, &v);
             if (++e == EXPERTS) e = 0;
         }
@@ -226,7 +226,7 @@ int main(int argc, char **argv) {
             x->down = tensor(l, e, 2);
         }
     const char *files[1] = {path};
-    ColiLruConfig cfg;
+    ColiStoreConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.files = files;
     cfg.n_files = 1;
@@ -238,7 +238,7 @@ int main(int argc, char **argv) {
     cfg.policy = policy;
     ColiExpertStore *store = NULL;
     char err[512];
-    if (coli_lru_store_create(&cfg, &store, err, sizeof err) != 0) {
+    if (coli_store_create(&cfg, &store, err, sizeof err) != 0) {
         fprintf(stderr, "create: %s\n", err);
         return 1;
     }
@@ -247,7 +247,7 @@ int main(int argc, char **argv) {
         for (int e = 0; e < EXPERTS; e++) {
             ColiExpertView v;
             memset(&v, 0, sizeof v);
-            if (coli_lru_lookup(store, l, e, &v, err, sizeof err) != 0) {
+            if (coli_store_lookup(store, l, e, &v, err, sizeof err) != 0) {
                 fprintf(stderr, "load: %s\n", err);
                 return 1;
             }

@@ -80,7 +80,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Goals, table, write_json  # noqa: E402
 
 import colibri  # noqa: E402
-from colibri.dequant import E2M1_VALUES  # noqa: E402
+from colibri.checkpoint.scan import scan_model  # noqa: E402
+from colibri.formats.mxfp4 import E2M1_VALUES  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 FORMATS = ("bf16", "int4", "mxfp4", "gptq", "awq")
@@ -307,7 +308,7 @@ def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: flo
 
 def payload_split(path: Path) -> tuple[float, float]:
     """(bytes of weight values, bytes of scales and biases) of one expert."""
-    model = colibri.layouts.scan_model(path)
+    model = scan_model(path)
     ex = model.expert(model.layers[0], 0)
     values = sum(t.nbytes for t in (ex.gate, ex.up, ex.down) if t is not None)
     return float(values), float(ex.nbytes - values)

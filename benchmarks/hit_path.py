@@ -8,7 +8,7 @@ slot for every expert and warmed, and then one call at a time is timed:
     store.lease           ``with store.lease(l, e): pass``
     store.lease+touch     the same, reading ``.gate``, ``.up``, ``.down``
     lease_many top-8      ``with store.lease_many(l, top8): pass`` (per call of 8)
-    raw cffi pair         coli_lru_lookup + coli_expert_release through cffi, no
+    raw cffi pair         coli_store_lookup + coli_expert_release through cffi, no
                           Python wrapper: the same C work by the route store.lease
                           took before the lease type (cffi drops and retakes the
                           GIL around each call)
@@ -162,7 +162,7 @@ def bench_size(name: str, hidden: int, intermediate: int, tmp: Path, budget_s: f
                 ex.gate, ex.up, ex.down
 
     def f_raw():
-        lib.coli_lru_lookup(handle, layer, cyc_l(), view, err, 256)
+        lib.coli_store_lookup(handle, layer, cyc_l(), view, err, 256)
         lib.coli_expert_release(handle, view)
 
     def f_dict():

@@ -58,7 +58,7 @@ if mode == "store":
     info = {"resident_bytes": held, "store_capacity_bytes": cap,
             "slots": {int(l): store.slots(l) for l in store.layers}}
 else:  # dict of numpy arrays with the same number of experts per layer
-    from colibri.layouts import scan_model
+    from colibri.checkpoint.scan import scan_model
     model = scan_model(path)
     per_layer = int(sys.argv[4])
     fds = {}

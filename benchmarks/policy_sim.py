@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""Eviction policies on routing traces: a fast reference simulator.
+"""Eviction policies on routing traces: the study of docs/policies.md.
 
-Simulates colibri's per-layer caches with ``lease_many`` semantics: for each
-token and layer the token's k experts (duplicates and -1 pads dropped) are
-leased together, the misses take the victims the policy names among the slots
-the token does not use, then all are released in the order asked. An empty
-slot is taken before anything is evicted. Belady's optimum evicts the resident
-expert, not used by the token, whose next use is furthest away.
+The store's own policies (``lru``, ``lrfu``, ``cooc``) run in the store's C
+code (colibri.replay) and Belady's optimum is colibri.belady. The policies
+the store does not have (the research family behind ``lrfu`` and ``cooc``,
+ARC, SLRU, and ``cooc`` with other constants) run in the simulator below,
+which simulates colibri's per-layer caches with ``lease_many`` semantics:
+for each token and layer the token's k experts (duplicates and -1 pads
+dropped) are leased together, the misses take the victims the policy names
+among the slots the token does not use, then all are released in the order
+asked. An empty slot is taken before anything is evicted. The simulator also
+writes the store's three policies out again, operation for operation
+(``LRU``, ``CLrfu``, ``CCooc``): tests/test_policies.py checks the C store
+against that independent mirror.
 
     python benchmarks/policy_sim.py                 # the study in docs/policies.md
     python benchmarks/policy_sim.py --quick         # fewer synthetic traces
@@ -42,7 +48,7 @@ Policies:
   history (((count + 1) / (mean + 1)) ** G).
 - ``arc``, ``slru``: adaptive replacement cache (Megiddo and Modha), and a
   segmented LRU with half the slots protected, both respecting leases.
-- ``belady``: the clairvoyant bound.
+- ``belady``: the clairvoyant bound (colibri.belady).
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRACE_DIRS = [ROOT / "tests" / "data" / "traces"]
+# The store's policies at their own constants: run by the store's C code.
+STORE_POLICIES = ("lru", "lrfu", "cooc")
 
 
 # ------------------------------------------------------------------ traces --
@@ -483,14 +491,11 @@ def _requests(experts: np.ndarray, weights: np.ndarray | None):
     return out
 
 
-def simulate_layer(experts: np.ndarray, weights: np.ndarray | None, slots: int,
-                   policy: Policy | None) -> Counts:
-    """experts (T, k); ``policy`` None means Belady."""
+def simulate_layer(experts: np.ndarray, weights: np.ndarray | None, slots: int, policy: Policy) -> Counts:
+    """experts (T, k) of one layer through ``policy``."""
     reqs = _requests(experts, weights)
     c = Counts()
     resident: set[int] = set()
-    if policy is None:
-        return _belady_layer(reqs, slots)
     note = getattr(policy, "note_request", None)
     step = getattr(policy, "note_step", None)
     now = 0   # the layer's requests so far: the policies' clock
@@ -522,62 +527,31 @@ def simulate_layer(experts: np.ndarray, weights: np.ndarray | None, slots: int,
     return c
 
 
-def _belady_layer(reqs, slots: int) -> Counts:
-    INF = 1 << 60
-    T = len(reqs)
-    nxt_of: list[dict[int, int]] = [dict() for _ in range(T)]
-    upcoming: dict[int, int] = {}
-    for t in range(T - 1, -1, -1):
-        for e, _, _ in reqs[t]:
-            nxt_of[t][e] = upcoming.get(e, INF)
-        for e, _, _ in reqs[t]:
-            upcoming[e] = t
-    c = Counts()
-    resident: dict[int, int] = {}   # expert -> next use
-    heap: list[tuple[int, int]] = []  # (-next use, expert), lazily invalidated
-    for t, row in enumerate(reqs):
-        busy = {e for e, _, _ in row}
-        for e, _, _ in row:
-            if e in resident:
-                c.hits += 1
-                continue
-            c.misses += 1
-            if len(resident) >= slots:
-                held = []
-                while True:
-                    negn, v = heapq.heappop(heap)
-                    if resident.get(v) != -negn:
-                        continue
-                    if v in busy:
-                        held.append((negn, v))
-                        continue
-                    break
-                for h in held:
-                    heapq.heappush(heap, h)
-                del resident[v]
-                c.evictions += 1
-            resident[e] = -1
-        for e, _, _ in row:
-            n = nxt_of[t][e]
-            resident[e] = n
-            heapq.heappush(heap, (-n, e))
-    return c
-
-
 def slots_for(fraction: float, num_experts: int, k: int) -> int:
     return max(k, int(round(fraction * num_experts)))
 
 
-def run(trace: Trace, fraction: float, make: Callable[[int, int], Policy | None]) -> Counts:
-    """make(layer index, slots) -> that layer's policy (None: Belady)."""
+def run(trace: Trace, fraction: float, spec: str, prior: np.ndarray | None = None) -> float:
+    """The hit rate of policy ``spec`` on ``trace`` with ``fraction`` of each
+    layer's experts as slots: the store's C replay for its own policies,
+    colibri.belady for ``belady``, the simulator for the rest."""
     k = trace.experts.shape[2]
     slots = slots_for(fraction, trace.num_experts, k)
+    if spec in STORE_POLICIES or spec == "belady":
+        import colibri
+
+        routing = colibri.Trace.from_arrays(np.arange(trace.experts.shape[1]), trace.experts,
+                                            num_experts=trace.num_experts)
+        if spec == "belady":
+            return colibri.belady(routing, slots).hit_rate
+        return colibri.replay(routing, slots_per_layer=slots, policy=spec).hit_rate
+    make = make_policy(spec, prior)
     K[0] = k
     total = Counts()
     for li in range(trace.experts.shape[1]):
         w = trace.weights[:, li] if trace.weights is not None else None
         total.add(simulate_layer(trace.experts[:, li], w, slots, make(li, slots)))
-    return total
+    return total.hit_rate
 
 
 # ---------------------------------------------------------------- registry --
@@ -597,12 +571,14 @@ def one(w: float, rank: int) -> float:
 K = [8]   # top-k of the trace being run (set by run())
 
 
-def make_policy(spec: str, prior: np.ndarray | None = None) -> Callable[[int, int], Policy | None]:
-    """spec: 'lru', 'belady', 'arc', 'slru[:F]', or 'lrfu:H', 'wlrfu:H',
-    'rlrfu:H' followed by options '/noghost' (forget the count of an evicted
-    expert) and '/pop=G' (bias each expert's count by its popularity in the
-    usage history ``prior``, an (L, E) array of counts: times
-    ((count + 1) / (mean count + 1)) ** G)."""
+def make_policy(spec: str, prior: np.ndarray | None = None) -> Callable[[int, int], Policy]:
+    """The simulator's policy of spec, per (layer index, slots): 'lru',
+    'lrfu' and 'cooc' (the store's, written out again), 'cooc:H/prior=P/m=F',
+    'arc', 'slru[:F]', or 'crf:H', 'crf-rank:H', 'crf-router:H' followed by
+    options '/noghost' (forget the count of an evicted expert) and '/pop=G'
+    (bias each expert's count by its popularity in the usage history
+    ``prior``, an (L, E) array of counts: times ((count + 1) / (mean count
+    + 1)) ** G)."""
     head, *opts = spec.split("/")
     name, _, arg = head.partition(":")
     ghost = "noghost" not in opts
@@ -612,8 +588,6 @@ def make_policy(spec: str, prior: np.ndarray | None = None) -> Callable[[int, in
             pop = float(o[4:])
     if name == "lru":
         return lambda li, s: LRU()
-    if name == "belady":
-        return lambda li, s: None
     if name == "lrfu":
         return lambda li, s: CLrfu(s)
     if name == "cooc":
@@ -693,7 +667,7 @@ def evaluate(cases, pols: Sequence[str], budgets: Sequence[float], show) -> list
         show("| budget | slots | LRU | Belady | " + " | ".join(others) + " |")
         show("|---" * (4 + len(others)) + "|")
         for b in budgets_for(ev, budgets):
-            res = {p: run(ev, b, make_policy(p, prior)).hit_rate for p in pols}
+            res = {p: run(ev, b, p, prior) for p in pols}
             lo, hi = res["lru"], res["belady"]
             cells = []
             for p in others:
@@ -717,9 +691,9 @@ def select_half_life(cases, budgets: Sequence[float], show) -> None:
     score: dict[tuple[str, float], float] = {}
 
     def closed(t: Trace, n: float, b: float) -> tuple[float, float, float, float]:
-        lo = run(t, b, make_policy("lru")).hit_rate
-        hi = run(t, b, make_policy("belady")).hit_rate
-        r = run(t, b, make_policy(f"crf-rank:{n}t")).hit_rate
+        lo = run(t, b, "lru")
+        hi = run(t, b, "belady")
+        r = run(t, b, f"crf-rank:{n}t")
         return lo, hi, r, (r - lo) / (hi - lo) if hi > lo else 0.0
 
     for tr in parts:
@@ -748,9 +722,9 @@ def cooc_sensitivity(cases, budgets: Sequence[float], show) -> None:
     show("|---" * (len(pols) + 3) + "|")
     for ev, _ in cases:
         for b in budgets_for(ev, budgets):
-            lo = run(ev, b, make_policy("lru")).hit_rate
-            hi = run(ev, b, make_policy("belady")).hit_rate
-            shares = [(run(ev, b, make_policy(p)).hit_rate - lo) / (hi - lo) if hi > lo else 0.0 for p in pols]
+            lo = run(ev, b, "lru")
+            hi = run(ev, b, "belady")
+            shares = [(run(ev, b, p) - lo) / (hi - lo) if hi > lo else 0.0 for p in pols]
             show(f"| {ev.name} | {100 * b:g}% | " + " | ".join(f"{100 * g:+.1f}%" for g in shares)
                  + f" | {100 * (max(shares) - min(shares)):.1f} |")
 

@@ -9,7 +9,7 @@ each layer in turn, 8 pseudo-random experts), so the working set is the whole
 model:
 
     store.lease          ``with store.lease(l, e): pass`` (median per call)
-    raw cffi pair        coli_lru_lookup + coli_expert_release via cffi
+    raw cffi pair        coli_store_lookup + coli_expert_release via cffi
     dict-LRU             OrderedDict + lock get of the same keys (context)
     C pair (scatter)     the C driver of c_hit_path.py on a model of the same
                          shape, same kind of key sequence, ns per pair
@@ -86,7 +86,7 @@ def bench(layers: int, experts: int, tmp: Path, calls: int, overhead: float) -> 
         err = ffi.new("char[]", err_len)
         it2 = iter(seq * (calls // len(seq) + 2))
         nxt2 = it2.__next__
-        lookup, release = lib.coli_lru_lookup, lib.coli_expert_release
+        lookup, release = lib.coli_store_lookup, lib.coli_expert_release
 
         def f_raw():
             k = nxt2()

@@ -19,7 +19,8 @@ from colibri.errors import (
     WaitTimeoutError,
 )
 from colibri.dequant import dequantize
-from colibri.layouts import Layout, StackedLayout
+from colibri.checkpoint.naming import Layout, StackedLayout
+from colibri.kernels import expert_ffn
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import POLICIES, ExpertLease, LeaseGroup, Store, open_store
@@ -40,6 +41,7 @@ __all__ = [
     "Layout",
     "StackedLayout",
     "dequantize",
+    "expert_ffn",
     "Pilot",
     "PilotReport",
     "Trace",

@@ -1,4 +1,4 @@
-"""Command line: `colibri demo`, `inspect`, `generate`, `replay` and `plan` (`colibri --help`)."""
+"""Command line: `colibri demo`, `inspect`, `generate`, `serve`, `replay` and `plan` (`colibri --help`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from colibri.describe import describe, render
-    from colibri.layouts import scan_model
+    from colibri.checkpoint.scan import scan_model
 
     if args.slots is not None and args.slots < 1:
         raise FormatError(f"--slots must be >= 1, got {args.slots}")
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     from colibri.generate_cli import add_parser as add_generate
 
     add_generate(sub)
+    from colibri.serve.cli import add_parser as add_serve
+
+    add_serve(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

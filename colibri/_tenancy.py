@@ -61,7 +61,7 @@ def _read_only_array(address: int, shape: tuple[int, ...], dtype: np.dtype, pin:
     """A read-only array of dtype at address; every object of its base chain
     is appended to chain. The read-only flag cannot be turned back on, as
     the owner exposes its data as read-only."""
-    if dtype.str[1] == "V":  # ml_dtypes (bf16, fp8): numpy knows them only by a view
+    if dtype.type.__module__ == "ml_dtypes":  # bf16, fp8: numpy knows them only by a view
         raw = np.asarray(_Owner(address, shape, f"<u{dtype.itemsize}", pin))
         arr = raw.view(dtype)
         chain += [raw.base, raw, arr]
@@ -82,7 +82,7 @@ class TenancyBuilder:
     __slots__ = ("_parts", "_locate")
 
     def __init__(self, parts: dict[int, Parts], locate: Locate | None = None) -> None:
-        # per layer: (dtype, shape) of each array, in coli_lru_expert_parts's order
+        # per layer: (dtype, shape) of each array, in coli_store_expert_parts's order
         self._parts = parts
         # (layer, expert) -> slot offset of each part; needed for extra parts,
         # which coli_view_layout does not cover

@@ -15,12 +15,12 @@ the alignment of each slot and the cap at a layer's expert count.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from colibri.checkpoint.config import CONFIG_NAME, read_json
 from colibri.errors import FormatError
-from colibri.layouts import ModelExperts, _ranges
+from colibri.checkpoint.experts import ModelExperts, format_ranges
 
 __all__ = ["describe", "render", "read_top_k", "TOP_K_KEYS"]
 
@@ -35,7 +35,7 @@ def _config_path(source: Any) -> str | None:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-        candidate = os.path.join(folder, "config.json")
+        candidate = os.path.join(folder, CONFIG_NAME)
         if os.path.isfile(candidate):
             return candidate
     return None
@@ -52,11 +52,7 @@ def read_top_k(source: Any) -> int | None:
     path = _config_path(source)
     if path is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{path}: cannot read it as JSON ({exc})") from exc
+    config = read_json(path, FormatError)
     for section in (config, config.get("text_config") if isinstance(config, dict) else None):
         if not isinstance(section, dict):
             continue
@@ -115,7 +111,7 @@ def describe(model: ModelExperts, source: Any = None, *, slots: int | None = Non
     counts = [model.num_experts(layer) for layer in model.layers]
     summary = {
         "moe_layers": len(layers),
-        "layer_ranges": _ranges(model.layers),
+        "layer_ranges": format_ranges(model.layers),
         "first_layer": model.layers[0] if layers else None,
         "last_layer": model.layers[-1] if layers else None,
         "experts_per_layer": {"min": min(counts, default=0), "max": max(counts, default=0)},

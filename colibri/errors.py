@@ -62,7 +62,7 @@ class CacheMemoryError(ColibriError, MemoryError):
     """The cache's slot memory (or the store's bookkeeping) could not be allocated."""
 
 
-# The C error codes (COLI_E* of csrc/lru_store.h, read from the compiled
+# The C error codes (COLI_E* of csrc/coli_errors.h, read from the compiled
 # library) mapped to the classes above. The codes left out (COLI_EINVAL,
 # COLI_ETHREAD, COLI_EAGAIN) become a plain ColibriError; docs/contract.md
 # says what each code means.

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.ram_gb is not None and not args.ram_gb > 0:
         raise FormatError(f"--ram-gb must be > 0, got {args.ram_gb}")
-    hf._read_config(args.model_dir)     # unsupported checkpoints fail before anything loads
+    hf.read_config(args.model_dir)     # unsupported checkpoints fail before anything loads
     try:
         import torch
         from transformers import AutoTokenizer, TextStreamer

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from colibri.dequant import dequantize as dequantize_lease
-from colibri.layouts import PLAIN
 from colibri.store import Store
 
 __all__ = ["route", "swiglu", "expert_weights", "experts_forward", "moe_layer"]
@@ -125,7 +124,7 @@ def expert_weights(ex: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     through :func:`colibri.dequantize` (float32 copies).
     """
     info = ex.tensors
-    if info.scheme == PLAIN and not info.fused and not info.transposed:
+    if info.format.zero_copy and not info.fused and not info.transposed:
         return ex.gate, ex.up, ex.down
     weights = dequantize_lease(ex)
     return weights["gate"], weights["up"], weights["down"]

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from colibri.errors import FormatError
-from colibri.replay import ReplayResult, _distinct_rows, _widest, replay
+from colibri.replay import ReplayResult, distinct_rows, most_distinct, replay
 from colibri.store import POLICIES
 from colibri.trace import Trace
 from colibri.usage import Usage
@@ -141,7 +141,7 @@ def lru_curves(trace: Trace, pins: Mapping[int, Sequence[int]] | None = None) ->
     out: dict[int, np.ndarray] = {}
     for col, layer in enumerate(trace.layers.tolist()):
         p = list((pins or {}).get(layer, ()))
-        curve = _layer_curve(_distinct_rows(trace, col), frozenset(p), trace.num_experts)
+        curve = _layer_curve(distinct_rows(trace, col), frozenset(p), trace.num_experts)
         if p:  # c slots = len(p) pinned + an LRU of c - len(p)
             shifted = np.full_like(curve, -1)
             shifted[len(p):] = curve[: len(curve) - len(p)]
@@ -231,7 +231,7 @@ class _Fitted:
 def _fit(kind: str, trace: Trace, counts: Mapping[int, np.ndarray], expert_nbytes: Mapping[int, int],
          capacity_bytes: int) -> _Fitted | None:
     layers = trace.layers.tolist()
-    widest = dict(zip(layers, (max(w, 1) for w in _widest(trace))))
+    widest = dict(zip(layers, (max(w, 1) for w in most_distinct(trace))))
     n = trace.num_experts
     if kind == "uniform":
         per = capacity_bytes // sum(expert_nbytes[l] for l in layers)
@@ -255,7 +255,7 @@ def _fit(kind: str, trace: Trace, counts: Mapping[int, np.ndarray], expert_nbyte
         best_curve: dict[int, np.ndarray] = {}
         for col, layer in enumerate(layers):
             hot = src_hot[layer]
-            rows = _distinct_rows(scored, col)
+            rows = distinct_rows(scored, col)
             options: list[tuple[int, np.ndarray]] = [(0, curves[layer])]
             for p in _pin_grid(n, widest[layer])[1:]:
                 if p > len(hot):
@@ -366,7 +366,7 @@ def plan(
 
     whole = fit_all(history)
     if not whole:
-        need = sum(nbytes[l] * max(w, 1) for l, w in zip(layers, _widest(history)))
+        need = sum(nbytes[l] * max(w, 1) for l, w in zip(layers, most_distinct(history)))
         raise FormatError(f"capacity_bytes {capacity_bytes:,} cannot hold one token's experts "
                           f"in every layer ({need:,} bytes)")
     validation: dict[str, float] = {}

@@ -35,7 +35,8 @@ from colibri.store import open_replay_store
 from colibri.trace import Trace
 from colibri.usage import Usage, warm_order
 
-__all__ = ["replay", "belady", "ReplayResult", "LayerResult", "resolve_slots", "SlotsSpec"]
+__all__ = ["replay", "belady", "ReplayResult", "LayerResult", "resolve_slots", "SlotsSpec",
+           "distinct_rows", "most_distinct"]
 
 SlotsSpec = Union[int, Mapping[int, int]]
 
@@ -93,7 +94,7 @@ class ReplayResult:
         )
 
 
-def _distinct_rows(trace: Trace, column: int) -> list[tuple[int, ...]]:
+def distinct_rows(trace: Trace, column: int) -> list[tuple[int, ...]]:
     """Each token's distinct experts of one layer column, first occurrence first."""
     out: list[tuple[int, ...]] = []
     for row in trace.experts[:, column, :].tolist():
@@ -115,7 +116,7 @@ def resolve_slots(trace: Trace, slots_per_layer: SlotsSpec) -> dict[int, int]:
     else:
         raw = {l: slots_per_layer for l in layers}
     out: dict[int, int] = {}
-    widest = _widest(trace)
+    widest = most_distinct(trace)
     for i, layer in enumerate(layers):
         value = raw[layer]
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -129,7 +130,7 @@ def resolve_slots(trace: Trace, slots_per_layer: SlotsSpec) -> dict[int, int]:
     return out
 
 
-def _widest(trace: Trace) -> list[int]:
+def most_distinct(trace: Trace) -> list[int]:
     """Per layer column, the most distinct experts one token asks of it."""
     e = np.sort(trace.experts, axis=2)
     distinct = (e >= 0) & np.concatenate(
@@ -221,7 +222,7 @@ def belady(trace: Trace, slots_per_layer: SlotsSpec, *, warm: bool = False) -> R
     slots = resolve_slots(trace, slots_per_layer)
     per: dict[int, LayerResult] = {}
     for col, layer in enumerate(trace.layers.tolist()):
-        per[layer] = _belady_layer(_distinct_rows(trace, col), slots[layer], trace.num_experts, warm)
+        per[layer] = _belady_layer(distinct_rows(trace, col), slots[layer], trace.num_experts, warm)
     return ReplayResult.from_layers("belady-warm" if warm else "belady", per)
 
 

@@ -15,12 +15,11 @@ import logging
 import math
 import operator
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence, Union
 
 import numpy as np
 
-from colibri import _dtypes
 from colibri._ffi import LeaseBase, Leaser, Tenancies, ffi, lib
 from colibri._tenancy import Parts, TenancyBuilder, defer
 from colibri.errors import (
@@ -30,8 +29,10 @@ from colibri.errors import (
     UnknownExpertError,
     error_for,
 )
-from colibri.layouts import ROLES, AnyLayout, ExpertTensors, ModelExperts, scan_model
-from colibri.safetensors_reader import ModelSource
+from colibri.checkpoint.experts import ROLES, SOURCE_FIELDS, ExpertTensors, ModelExperts, TensorSource
+from colibri.checkpoint.naming import AnyLayout
+from colibri.checkpoint.scan import scan_model
+from colibri.checkpoint.safetensors import ModelSource
 from colibri.stats import StoreStats
 from colibri import usage as _usage
 
@@ -60,7 +61,7 @@ AVAILABLE_MEMORY_ENV = "COLIBRI_AVAILABLE_MEMORY"
 
 def _policy_names() -> tuple[str, ...]:
     names: list[str] = []
-    while (name := lib.coli_lru_policy_name(len(names))) != ffi.NULL:
+    while (name := lib.coli_store_policy_name(len(names))) != ffi.NULL:
         names.append(ffi.string(name).decode())
     return tuple(names)
 
@@ -145,7 +146,7 @@ class LeaseGroup(tuple):  # type: ignore[type-arg]
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """What a C store is created with (its ``ColiLruConfig``), as
+    """What a C store is created with (its ``ColiStoreConfig``), as
     :func:`open_store` and :func:`open_replay_store` checked them."""
 
     slots_per_layer: SlotsPerLayer | None
@@ -174,13 +175,13 @@ class Store:
 
     _usage: Any = None  # a colibri.usage.UsageTracker with open_store(usage_file=...)
 
-    def __init__(self, model: ModelExperts, options: StoreOptions) -> None:
+    def __init__(self, model: ModelExperts, options: StoreOptions, config: "_Config | None" = None) -> None:
         self.model = model
         self._closed = False
         #: True for a replay store (:func:`open_replay_store`): no bytes, no files
         self.replay = options.replay_expert_nbytes is not None
         self.policy = options.policy
-        self._handle = _create_handle(model, options)
+        self._handle = (config or _Config(model, options)).create()
         self._ops = self._handle.ops
         self._lease: Any
         if self.replay:
@@ -194,7 +195,7 @@ class Store:
             TenancyBuilder({layer: _layer_arrays(model, layer) for layer in model.layers},
                            _locator(self._handle)).build,
             defer,
-            limit=2 * sum(int(lib.coli_lru_layer_slots(self._handle, l)) for l in model.layers) + 16,
+            limit=2 * sum(int(lib.coli_store_layer_slots(self._handle, l)) for l in model.layers) + 16,
         )
         self._leaser = Leaser(
             self._handle,
@@ -211,7 +212,7 @@ class Store:
         )
         self._lease = self._leaser.lease
         self.prefetch_workers = options.prefetch_workers
-        self._direct = options.direct_io and not lib.coli_lru_direct_io_fallback(self._handle)
+        self._direct = options.direct_io and not lib.coli_store_direct_io_fallback(self._handle)
 
     @property
     def direct_io(self) -> bool:
@@ -240,7 +241,7 @@ class Store:
     def slots(self, layer: int) -> int:
         """Slots in ``layer``'s LRU."""
         self.num_experts(layer)
-        return int(lib.coli_lru_layer_slots(self._handle, layer))
+        return int(lib.coli_store_layer_slots(self._handle, layer))
 
     @property
     def closed(self) -> bool:
@@ -250,7 +251,7 @@ class Store:
     def active_leases(self) -> int:
         """C leases held now, including those kept alive by surviving arrays."""
         self._check_open()
-        return int(lib.coli_lru_active_leases(self._handle))
+        return int(lib.coli_store_active_leases(self._handle))
 
     # -- leases --
 
@@ -287,7 +288,7 @@ class Store:
         and each ``i``, one ``lease_many`` on layer ``layers[i]`` of the
         experts ``experts[t, i, :]`` that are >= 0 (repeats dropped), released
         before the next. ``layers`` is 1-D, ``experts`` has shape (tokens,
-        len(layers), k) with k <= 32; both integer arrays. Counters move as
+        len(layers), k), any k; both integer arrays. Counters move as
         they would for those calls from Python; on a replay store nothing is
         read. Raises the lookup's error (e.g. CacheFullError when a token asks
         more distinct experts of a layer than fit) naming token and layer.
@@ -299,10 +300,8 @@ class Store:
             raise FormatError(
                 f"experts has shape {ex.shape}: its second axis must match the {lay.shape[0]} layers"
             )
-        if ex.shape[2] > 32:
-            raise FormatError(f"experts has k={ex.shape[2]} per token and layer; at most 32")
         err = ffi.new("char[]", _ERR_LEN)
-        rc = lib.coli_lru_replay(
+        rc = lib.coli_store_replay(
             self._handle,
             ffi.cast("int *", ffi.from_buffer(lay)),
             lay.shape[0],
@@ -350,7 +349,7 @@ class Store:
         if not 0 <= layer <= _INT_MAX:
             return 0  # no such layer: nothing to retire, as in C
         ids = ffi.new("int[]", kept) if kept else ffi.NULL
-        return int(lib.coli_lru_retire_prefetches(self._handle, layer, ids, len(kept)))
+        return int(lib.coli_store_retire_prefetches(self._handle, layer, ids, len(kept)))
 
     def wait_idle(self, layer: int | None = None, timeout: float | None = None) -> None:
         """Wait until no load is queued or in flight (in ``layer``, or anywhere).
@@ -361,7 +360,7 @@ class Store:
         if layer is not None:
             self.model.num_experts(layer)
         ns = _nanoseconds(timeout)
-        rc = lib.coli_lru_wait_idle(self._handle, -1 if layer is None else layer, ns)
+        rc = lib.coli_store_wait_idle(self._handle, -1 if layer is None else layer, ns)
         if rc != 0:
             where = "the store" if layer is None else f"layer {layer}"
             raise error_for(rc, f"loads in {where} still running after {timeout} s")
@@ -373,14 +372,14 @@ class Store:
         self._check_open()
         out = ffi.new("ColiExpertStoreStats *")
         self._ops.stats(self._handle, out)
-        return StoreStats.from_c(out, prefetch_pauses=int(lib.coli_lru_prefetch_pauses(self._handle)))
+        return StoreStats.from_c(out, prefetch_pauses=int(lib.coli_store_prefetch_pauses(self._handle)))
 
     def layer_stats(self, layer: int) -> StoreStats:
         """A snapshot of ``layer``'s counters (``capacity_bytes``: its slots;
         ``peak_inflight`` and ``prefetch_pauses`` are store-wide, so 0 here)."""
         self.num_experts(layer)
         out = ffi.new("ColiExpertStoreStats *")
-        if lib.coli_lru_layer_stats(self._handle, layer, out) != 0:  # pragma: no cover - checked above
+        if lib.coli_store_layer_stats(self._handle, layer, out) != 0:  # pragma: no cover - checked above
             raise UnknownExpertError(f"layer {layer} has no routed experts")
         return StoreStats.from_c(out, prefetch_pauses=0)
 
@@ -389,7 +388,7 @@ class Store:
         sum to the layer's ``requests``), indexed by expert."""
         n = self.num_experts(layer)
         out = np.zeros(n, dtype=np.uint64)
-        lib.coli_lru_expert_requests(self._handle, layer, ffi.cast("uint64_t *", ffi.from_buffer(out)), n)
+        lib.coli_store_expert_requests(self._handle, layer, ffi.cast("uint64_t *", ffi.from_buffer(out)), n)
         return out
 
     @property
@@ -397,24 +396,10 @@ class Store:
         """The pinned experts, as (layer, expert), by layer and expert. A pin
         whose load failed is dropped from it (its slot serves the layer's LRU)."""
         self._check_open()
-        n = int(lib.coli_lru_pinned(self._handle, ffi.NULL, 0))
+        n = int(lib.coli_store_pinned(self._handle, ffi.NULL, 0))
         keys = ffi.new("ColiExpertKey[]", max(n, 1))
-        n = min(n, int(lib.coli_lru_pinned(self._handle, keys, n)))
+        n = min(n, int(lib.coli_store_pinned(self._handle, keys, n)))
         return tuple((int(keys[i].layer), int(keys[i].expert)) for i in range(n))
-
-    def _inject_read_fault(self, nth: int, errno_value: int) -> None:
-        """Test hook: make the nth read from now fail with errno_value (0 disarms)."""
-        self._check_open()
-        lib.coli_lru_inject_read_fault(self._handle, nth, errno_value)
-
-    def _hold_prefetch_reads(self, hold: bool) -> None:
-        """Test hook: while held, begun prefetch reads wait before each chunk."""
-        self._check_open()
-        lib.coli_lru_hold_prefetch_reads(self._handle, int(bool(hold)))
-
-    def _held_prefetch_reads(self) -> int:
-        """Test hook: prefetch reads waiting on the hold now."""
-        return int(lib.coli_lru_held_prefetch_reads(self._handle))
 
     def close(self) -> None:
         """Free the cache memory. Refuses (LeaseError) while leases are held
@@ -424,7 +409,7 @@ class Store:
         if self._usage is not None:
             self._usage.collect()
         err = ffi.new("char[]", _ERR_LEN)
-        _check(lib.coli_lru_close(self._handle, err, _ERR_LEN), err)
+        _check(lib.coli_store_close(self._handle, err, _ERR_LEN), err)
         self._closed = True
         if not self.replay:
             self._tenancies.clear()  # their addresses point into freed slot memory now
@@ -500,27 +485,18 @@ class _NoTensors(Mapping[int, Any]):
 
 def _layer_arrays(model: ModelExperts, layer: int) -> Parts:
     """How to view one layer's slot bytes: (dtype, shape) of each part as
-    stored, in coli_lru_expert_parts's order (gate, up, down, their scales,
+    stored, in coli_store_expert_parts's order (gate, up, down, their scales,
     then the extra parts; None where absent). All experts of a layer agree."""
-    ex = model.expert(layer, next(iter(model.experts[layer])))
-    parts: list[tuple[np.dtype, tuple[int, ...]] | None] = []
-    for info in ex.part_infos():
-        if info is None:
-            parts.append(None)
-            continue
-        dt = _dtypes.lookup(info.dtype)
-        assert dt is not None and dt.numpy is not None
-        parts.append((np.dtype(dt.numpy), tuple(info.shape)))
-    return tuple(parts)
+    return model.expert(layer, next(iter(model.experts[layer]))).part_views()
 
 
 def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
-    """Slot offsets of every part of an expert (coli_lru_expert_parts)."""
-    size = 2 * len(ROLES) + int(lib.COLI_MAX_PARTS)  # each role's data and scales, then the extras
+    """Slot offsets of every part of an expert (coli_store_expert_parts)."""
+    size = int(lib.COLI_ROLE_PARTS) + int(lib.COLI_MAX_PARTS)  # each role's data and scales, then the extras
 
     def locate(layer: int, expert: int) -> tuple[int, ...]:
         out = ffi.new("uint64_t[]", size)
-        n = int(lib.coli_lru_expert_parts(handle, layer, expert, out, size))
+        n = int(lib.coli_store_expert_parts(handle, layer, expert, out, size))
         if n < 0:
             raise UnknownExpertError(f"layer {layer} has no expert {expert}")
         return tuple(out[0:n])
@@ -528,28 +504,11 @@ def _locator(handle: Any) -> Callable[[int, int], tuple[int, ...]]:
     return locate
 
 
-def _fill_source(dst: Any, ex: ExpertTensors, role: str) -> None:
-    w = ex.weight(role)
-    if w is None:
-        return  # up of a fused gate_up: left zeroed
-    dst.file = w.file
-    dst.offset = w.offset
-    dst.nbytes = w.nbytes
-    dst.format = ex.coli_format(role)
-    shape = ex.shape(role)
-    assert shape is not None
-    dst.rows, dst.columns = shape
-    scale = ex.scale(role)
-    if scale is None:
-        dst.scale_format = _dtypes.COLI_SCALE_NONE
-        return
-    dst.scale_format = ex.coli_scale_format(role)
-    dst.scale_file = scale.file
-    dst.scale_offset = scale.offset
-    dst.scale_nbytes = scale.nbytes
-    block = ex.block_shape(role)
-    assert block is not None
-    dst.block_rows, dst.block_columns = block
+def _fill_source(dst: Any, source: TensorSource | None) -> None:
+    """Copies a role's record into its ColiTensorSource (left zeroed for None)."""
+    if source is not None:
+        for name, value in zip(SOURCE_FIELDS, source):
+            setattr(dst, name, value)
 
 
 def _nanoseconds(seconds: float | None) -> int:
@@ -565,70 +524,92 @@ def _destroy_handle(handle: Any) -> None:
     # Reached from close() or from garbage collection of an unclosed store.
     # A store collected with leases alive (only possible in a reference cycle)
     # is leaked rather than freed under them.
-    if lib.coli_lru_active_leases(handle):
+    if lib.coli_store_active_leases(handle):
         log.warning("a colibri store was garbage-collected with leases held; leaking it")
         return
     handle.ops.destroy(handle)
 
 
-def _create_handle(model: ModelExperts, o: StoreOptions) -> Any:
-    keys = list(model.keys())
-    sources = ffi.new("ColiExpertSource[]", len(keys))
-    keep: list[Any] = []  # extra parts' arrays, alive until the store copied them
-    for i, (layer, expert) in enumerate(keys):
-        src = sources[i]
-        src.layer, src.expert = layer, expert
-        if o.replay_expert_nbytes is not None:
-            # Never read: the bytes only size the slots and count bytes_read.
-            src.gate.nbytes = o.replay_expert_nbytes
-            src.up.offset = src.down.offset = o.replay_expert_nbytes
-            continue
-        ex = model.expert(layer, expert)
-        for role in ROLES:
-            _fill_source(getattr(src, role), ex, role)
-        if ex.fused:
-            src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
-        if ex.extras:
-            parts = ffi.new("ColiPartSource[]", len(ex.extras))
-            for k, (_, info) in enumerate(ex.extras):
-                parts[k].file, parts[k].offset, parts[k].nbytes = info.file, info.offset, info.nbytes
-            keep.append(parts)
-            src.n_parts, src.parts = len(ex.extras), parts
-    paths = [ffi.new("char[]", p.encode()) for p in model.files]
-    files = ffi.new("const char *[]", paths)
-    cfg = ffi.new("ColiLruConfig *")
-    cfg.files = files
-    cfg.n_files = len(paths)
-    cfg.experts = sources
-    cfg.n_experts = len(keys)
-    if isinstance(o.slots_per_layer, Mapping):
-        layer_slots = ffi.new("uint32_t[]", [o.slots_per_layer[layer] for layer in model.layers])
-        cfg.layer_slots = layer_slots
-        cfg.n_layer_slots = len(model.layers)
-    else:
-        cfg.slots_per_layer = o.slots_per_layer or 0
-    cfg.capacity_bytes = o.capacity_bytes or 0
-    cfg.policy = POLICIES.index(o.policy)
-    pinned = ffi.new("ColiExpertKey[]", list(o.pin)) if o.pin else ffi.NULL
-    cfg.pinned = pinned
-    cfg.n_pinned = len(o.pin)
-    warm_keys = ffi.new("ColiExpertKey[]", list(o.warm)) if o.warm else ffi.NULL
-    cfg.warm = warm_keys
-    cfg.n_warm = len(o.warm)
-    cfg.replay = int(o.replay_expert_nbytes is not None)
-    cfg.prefetch_workers = o.prefetch_workers
-    cfg.prefetch_queue_depth = o.prefetch_queue_depth
-    cfg.direct_io = int(bool(o.direct_io))
-    cfg.slot_wait_timeout_ns = _nanoseconds(o.slot_wait_timeout)
-    cfg.prefetch_never_pauses = int(not o.demand_first)
-    cfg.prefetch_chunk_bytes = o.prefetch_chunk_bytes
-    cfg.read_chunk_bytes = o.read_chunk_bytes
-    cfg.read_without_advice = int(not o.read_advice)
-    out = ffi.new("ColiExpertStore **")
-    err = ffi.new("char[]", _ERR_LEN)
-    rc = lib.coli_lru_store_create(cfg, out, err, _ERR_LEN)
-    _check(rc, err)
-    return ffi.gc(out[0], _destroy_handle)
+class _Config:
+    """A store's ColiStoreConfig, built once from the model and its options,
+    with every cffi object it points into: C plans its slots from it
+    (:meth:`layer_slots`) and creates the store from it (:meth:`create`)."""
+
+    def __init__(self, model: ModelExperts, o: StoreOptions) -> None:
+        self.model = model
+        self._keep: list[Any] = []  # what cfg points into, alive while it is
+        cfg = self.cfg = ffi.new("ColiStoreConfig *")
+        keys = list(model.keys())
+        cfg.experts = self._sources(model, keys, replay=o.replay_expert_nbytes is not None)
+        cfg.n_experts = len(keys)
+        paths = [ffi.new("char[]", p.encode()) for p in model.files]
+        cfg.files = self._hold(ffi.new("const char *[]", paths), *paths)
+        cfg.n_files = len(paths)
+        if isinstance(o.slots_per_layer, Mapping):
+            cfg.layer_slots = self._hold(ffi.new("uint32_t[]", [o.slots_per_layer[l] for l in model.layers]))
+            cfg.n_layer_slots = len(model.layers)
+        else:
+            cfg.slots_per_layer = o.slots_per_layer or 0
+        cfg.capacity_bytes = o.capacity_bytes or 0
+        cfg.policy = POLICIES.index(o.policy)
+        cfg.replay = int(o.replay_expert_nbytes is not None)
+        cfg.replay_expert_bytes = o.replay_expert_nbytes or 0
+        cfg.prefetch_workers = o.prefetch_workers
+        cfg.prefetch_queue_depth = o.prefetch_queue_depth
+        cfg.direct_io = int(bool(o.direct_io))
+        cfg.slot_wait_timeout_ns = _nanoseconds(o.slot_wait_timeout)
+        cfg.prefetch_never_pauses = int(not o.demand_first)
+        cfg.prefetch_chunk_bytes = o.prefetch_chunk_bytes
+        cfg.read_chunk_bytes = o.read_chunk_bytes
+        cfg.read_without_advice = int(not o.read_advice)
+        self.preload(o.pin, o.warm)
+
+    def _hold(self, obj: Any, *more: Any) -> Any:
+        self._keep += [obj, *more]
+        return obj
+
+    def _sources(self, model: ModelExperts, keys: list[tuple[int, int]], replay: bool) -> Any:
+        """Every expert's ColiExpertSource; a replay store's need only their keys."""
+        sources = self._hold(ffi.new("ColiExpertSource[]", len(keys)))
+        for i, (layer, expert) in enumerate(keys):
+            src = sources[i]
+            src.layer, src.expert = layer, expert
+            if replay:
+                continue
+            ex = model.expert(layer, expert)
+            for role in ROLES:
+                _fill_source(getattr(src, role), ex.source(role))
+            if ex.fused:
+                src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
+            if ex.extras:
+                parts = self._hold(ffi.new("ColiPartSource[]", len(ex.extras)))
+                for k, (_, info) in enumerate(ex.extras):
+                    parts[k].file, parts[k].offset, parts[k].nbytes = info.file, info.offset, info.nbytes
+                src.n_parts, src.parts = len(ex.extras), parts
+        return sources
+
+    def preload(self, pin: Sequence[tuple[int, int]], warm: Sequence[tuple[int, int]]) -> None:
+        """The experts the store pins and warms at create."""
+        self.cfg.pinned = self._hold(ffi.new("ColiExpertKey[]", list(pin))) if pin else ffi.NULL
+        self.cfg.n_pinned = len(pin)
+        self.cfg.warm = self._hold(ffi.new("ColiExpertKey[]", list(warm))) if warm else ffi.NULL
+        self.cfg.n_warm = len(warm)
+
+    def layer_slots(self) -> dict[int, int]:
+        """Each layer's slots as C will give them (coli_store_plan_slots)."""
+        layers = self.model.layers
+        out = ffi.new("uint32_t[]", max(len(layers), 1))
+        err = ffi.new("char[]", _ERR_LEN)
+        n = lib.coli_store_plan_slots(self.cfg, out, len(layers), err, _ERR_LEN)
+        _check(min(n, 0), err)
+        assert n == len(layers), (n, layers)
+        return {layer: int(out[i]) for i, layer in enumerate(layers)}
+
+    def create(self) -> Any:
+        out = ffi.new("ColiExpertStore **")
+        err = ffi.new("char[]", _ERR_LEN)
+        _check(lib.coli_store_create(self.cfg, out, err, _ERR_LEN), err)
+        return ffi.gc(out[0], _destroy_handle)
 
 
 def _available_memory() -> int | None:
@@ -842,17 +823,14 @@ def open_store(
         pinned_bytes = _count(pinned_bytes, "pinned_bytes", minimum=0)
         if history is None:
             raise FormatError("pinned_bytes pins the hottest experts of a usage history: give usage_file")
-        pins = _usage.pins_for_store(history, model, pinned_bytes, slots_per_layer, capacity_bytes, pins)
-    if warm_start:
-        if history is None:
-            raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
-        warms = _usage.warm_for_store(history, model, slots_per_layer, capacity_bytes, pins, warms)
+    if warm_start and history is None:
+        raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
     if direct_io == "auto":
         direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
         log.info("direct_io=auto: %s", why)
     else:
         direct = direct_io
-    store = Store(model, StoreOptions(
+    options = StoreOptions(
         slots_per_layer=slots_per_layer,
         capacity_bytes=capacity_bytes,
         prefetch_workers=prefetch_workers,
@@ -866,7 +844,17 @@ def open_store(
         policy=policy,
         pin=pins,
         warm=warms,
-    ))
+    )
+    config = _Config(model, options)
+    if history is not None and (pinned_bytes is not None or warm_start):
+        slots = config.layer_slots()  # as C gives them: the budget over each layer's slot size
+        if pinned_bytes is not None:
+            pins = _usage.pins_for_store(history, model, pinned_bytes, slots, pins)
+        if warm_start:
+            warms = _usage.warm_for_store(history, slots, pins, warms)
+        options = replace(options, pin=pins, warm=warms)
+        config.preload(pins, warms)
+    store = Store(model, options, config)
     if direct_io is True and not store.direct_io:
         log.warning("direct_io: the file system refused O_DIRECT; reading through the page cache")
     if history is not None and usage_file is not None:
@@ -899,8 +887,8 @@ def open_replay_store(
         raise FormatError("num_experts must be a non-empty mapping from layer to expert count")
     experts: dict[int, Mapping[int, Any]] = {}
     for layer in sorted(num_experts):
-        _count(layer, "a layer index", minimum=0, maximum=1_000_000)
-        n = _count(num_experts[layer], f"num_experts[{layer}]", minimum=1, maximum=1_000_001)
+        _count(layer, "a layer index", minimum=0, maximum=int(lib.COLI_MAX_LAYER_ID))
+        n = _count(num_experts[layer], f"num_experts[{layer}]", minimum=1, maximum=int(lib.COLI_MAX_EXPERT_ID) + 1)
         experts[layer] = _NoTensors(n)
     expert_nbytes = _count(expert_nbytes, "expert_nbytes", minimum=1, maximum=1 << 40)
     model = ModelExperts(files=(), layout="replay", experts=experts)

@@ -111,6 +111,40 @@ class SyntheticModel:
         return [(layer, e) for layer in self.layers for e in range(self.n_experts)]
 
 
+def _save_shards(directory: Path, tensors: dict[str, np.ndarray], shards: int
+                 ) -> tuple[list[Path], dict[str, str]]:
+    """Saves ``tensors`` in order as one file, or cut into ``shards``
+    contiguous runs with an index; returns the files and the weight map."""
+    from safetensors.numpy import save_file
+
+    names = list(tensors)
+    if shards > len(names):
+        raise ValueError(f"shards={shards} exceeds the {len(names)} tensors of the model")
+    metadata = {"format": "pt"}
+    weight_map: dict[str, str] = {}
+    files: list[Path] = []
+    if shards == 1:
+        fname = "model.safetensors"
+        save_file(tensors, str(directory / fname), metadata=metadata)
+        files.append(directory / fname)
+        weight_map = {name: fname for name in names}
+    else:
+        bounds = [round(i * len(names) / shards) for i in range(shards + 1)]
+        for i in range(shards):
+            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            chunk = {name: tensors[name] for name in names[bounds[i]:bounds[i + 1]]}
+            save_file(chunk, str(directory / fname), metadata=metadata)
+            files.append(directory / fname)
+            weight_map.update({name: fname for name in chunk})
+        total = sum(int(a.nbytes) for a in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        tmp = directory / "model.safetensors.index.json.tmp"
+        tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
+        os.replace(tmp, directory / "model.safetensors.index.json")
+
+    return files, weight_map
+
+
 def write_synthetic_model(
     directory,
     *,
@@ -133,8 +167,6 @@ def write_synthetic_model(
     layer order, are cut into ``shards`` contiguous runs, so an expert's
     tensors may straddle two files, as the store must allow.
     """
-    from safetensors.numpy import save_file
-
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     np_dtype = _numpy_dtype(dtype)
@@ -189,31 +221,7 @@ def write_synthetic_model(
     tensors["model.norm.weight"] = ones(hidden)
     tensors["lm_head.weight"] = rand(vocab, hidden)
 
-    names = list(tensors)
-    if shards > len(names):
-        raise ValueError(f"shards={shards} exceeds the {len(names)} tensors of the model")
-    metadata = {"format": "pt"}
-    weight_map: dict[str, str] = {}
-    files: list[Path] = []
-    if shards == 1:
-        fname = "model.safetensors"
-        save_file(tensors, str(directory / fname), metadata=metadata)
-        files.append(directory / fname)
-        weight_map = {name: fname for name in names}
-    else:
-        bounds = [round(i * len(names) / shards) for i in range(shards + 1)]
-        for i in range(shards):
-            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            chunk = {name: tensors[name] for name in names[bounds[i]:bounds[i + 1]]}
-            save_file(chunk, str(directory / fname), metadata=metadata)
-            files.append(directory / fname)
-            weight_map.update({name: fname for name in chunk})
-        total = sum(int(a.nbytes) for a in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        tmp = directory / "model.safetensors.index.json.tmp"
-        tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
-        os.replace(tmp, directory / "model.safetensors.index.json")
-
+    files, weight_map = _save_shards(directory, tensors, shards)
     return SyntheticModel(
         path=directory,
         files=tuple(files),

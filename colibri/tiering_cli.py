@@ -32,7 +32,7 @@ class _Model:
 
 def _model_for(trace: Any, args: argparse.Namespace) -> _Model:
     if args.model:
-        from colibri.layouts import scan_model
+        from colibri.checkpoint.scan import scan_model
 
         m = scan_model(args.model)
         layers = trace.layers.tolist()
@@ -120,9 +120,9 @@ def _replay_cmd(args: argparse.Namespace) -> int:
 
 
 def _widest_all(trace: Any) -> list[int]:
-    from colibri.replay import _widest
+    from colibri.replay import most_distinct
 
-    return _widest(trace)
+    return most_distinct(trace)
 
 
 class _NoBar:

@@ -99,7 +99,12 @@ def write_tiny_moe(path: str | os.PathLike[str], model_type: str = "qwen3_moe", 
     rewrites every projection weight (attention, dense and shared MLPs,
     routed experts) as FP8 e4m3 with a float32 ``weight_scale_inv`` per
     B x B block and declares it in config.json as DeepSeek-V3's FP8
-    checkpoints do (``quant_method: fp8``, ``weight_block_size: [B, B]``)."""
+    checkpoints do (``quant_method: fp8``, ``weight_block_size: [B, B]``).
+    ``int4_group=G`` instead compresses projections to compressed-tensors
+    pack-quantized int4 with G columns per scale: the routed experts
+    (``int4_scope="experts"``), every projection (``"all"``), or the routed
+    experts in a second config group after one that quantizes attention in
+    groups of G / 2 (``"attention_first"``)."""
     import torch
     import transformers
 
@@ -144,6 +149,7 @@ def _to_fp8(path: str, block: int) -> None:
     if block < 1:
         raise ValueError(f"fp8_block must be >= 1, got {block}")
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    renamed: dict[str, list[str]] = {}
     for name in files:
         tensors = load_file(os.path.join(path, name))
         out: dict[str, Any] = {}
@@ -160,16 +166,9 @@ def _to_fp8(path: str, block: int) -> None:
             quantized = (blocks / scale[:, None, :, None]).view(br * block, bc * block)[:rows, :cols]
             out[key] = quantized.contiguous().to(torch.float8_e4m3fn)
             out[key + "_scale_inv"] = scale.float().contiguous()
+            renamed[key] = [key, key + "_scale_inv"]
         save_file(out, os.path.join(path, name), metadata={"format": "pt"})
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-        for key, file in list(data["weight_map"].items()):
-            if _PROJECTION.search(key):
-                data["weight_map"][key + "_scale_inv"] = file
-        with open(index, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+    _rename_in_index(path, renamed)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
@@ -181,6 +180,23 @@ def _to_fp8(path: str, block: int) -> None:
 
 _ROUTED = re.compile(r"\.experts\.[0-9]+\.[a-z_0-9]+\.weight$")
 _ROUTED_TARGET = r"re:.*\.experts\.[0-9]+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$"
+_ATTENTION = re.compile(r"\.self_attn\.[a-z_]+_proj\.weight$")
+_ATTENTION_TARGET = r"re:.*\.self_attn\.[a-z_]+_proj$"
+
+
+def _rename_in_index(path: str, renamed: dict[str, list[str]]) -> None:
+    """Replaces each key of ``renamed`` in the shard index (if any) by its new keys, in the same file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return
+    with open(index, encoding="utf-8") as f:
+        data = json.load(f)
+    for key, new_keys in renamed.items():
+        file = data["weight_map"].pop(key)
+        for new_key in new_keys:
+            data["weight_map"][new_key] = file
+    with open(index, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
 
 
 def _to_int4(path: str, group: int, scope: str, symmetric: bool) -> None:
@@ -197,49 +213,58 @@ def _to_int4(path: str, group: int, scope: str, symmetric: bool) -> None:
 
     if group < 1:
         raise ValueError(f"int4_group must be >= 1, got {group}")
-    if scope not in ("experts", "all"):
-        raise ValueError(f"int4_scope must be 'experts' or 'all', not {scope!r}")
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group",
-                            group_size=group)
-    if scope == "experts":
-        scheme = QuantizationScheme(targets=[_ROUTED_TARGET], weights=args)
-        ignore = ["lm_head"]
-    else:
-        scheme = QuantizationScheme(targets=["Linear"], weights=args)
-        ignore = ["lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$"]
+    if scope not in ("experts", "all", "attention_first"):
+        raise ValueError(f"int4_scope must be 'experts', 'all' or 'attention_first', not {scope!r}")
+
+    def scheme(targets: list[str], size: int) -> Any:
+        return QuantizationScheme(targets=targets, weights=QuantizationArgs(
+            num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=size))
+
+    ignore = ["lm_head"]
+    if scope == "all":
+        groups = {"group_0": scheme(["Linear"], group)}
+        ignore += ["re:.*mlp\\.gate$", "re:.*shared_expert_gate$"]
+    elif scope == "experts":
+        groups = {"group_0": scheme([_ROUTED_TARGET], group)}
+    else:  # the experts' group second, with another group size than the first
+        groups = {"group_0": scheme([_ATTENTION_TARGET], max(group // 2, 1)),
+                  "group_1": scheme([_ROUTED_TARGET], group)}
+
+    def group_of(key: str) -> Any:
+        """The config group that quantizes weight ``key``, or None."""
+        if _PROJECTION.search(key) is None:
+            return None
+        if scope == "all":
+            return groups["group_0"]
+        if _ROUTED.search(key) is not None:
+            return groups["group_1" if scope == "attention_first" else "group_0"]
+        return groups["group_0"] if scope == "attention_first" and _ATTENTION.search(key) else None
+
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     renamed: dict[str, list[str]] = {}
     for name in files:
         tensors = load_file(os.path.join(path, name))
         out: dict[str, Any] = {}
         for key, value in tensors.items():
-            wanted = value.ndim == 2 and _PROJECTION.search(key) is not None and (
-                scope == "all" or _ROUTED.search(key) is not None)
-            if not wanted or value.shape[1] % group:
+            chosen = group_of(key) if value.ndim == 2 else None
+            size = chosen.weights.group_size if chosen is not None else 1
+            if chosen is None or value.shape[1] % size:
                 out[key] = value
                 continue
+            args = chosen.weights
             weight = value.float()
             rows, cols = weight.shape
-            blocks = weight.reshape(rows, cols // group, group)
+            blocks = weight.reshape(rows, cols // size, size)
             scale, zero = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args)
             state = {"weight": weight, "weight_scale": scale.to(value.dtype), "weight_zero_point": zero}
-            packed = PackedQuantizationCompressor.compress(state, scheme)
+            packed = PackedQuantizationCompressor.compress(state, chosen)
             base = key[: -len("weight")]
             for suffix, tensor in packed.items():
                 out[base + suffix] = tensor.contiguous()
             renamed[key] = [base + suffix for suffix in packed]
         save_file(out, os.path.join(path, name), metadata={"format": "pt"})
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-        for key, new_keys in renamed.items():
-            file = data["weight_map"].pop(key)
-            for new_key in new_keys:
-                data["weight_map"][new_key] = file
-        with open(index, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+    _rename_in_index(path, renamed)
+    config = QuantizationConfig(config_groups=groups, format="pack-quantized",
                                 quantization_status="compressed", ignore=ignore)
     ModelCompressor(quantization_config=config).update_config(path)
     del torch

@@ -373,18 +373,6 @@ class UsageTracker:
         self.usage.save(self.path)
 
 
-def _layer_slots(model: Any, slots_per_layer: int | Mapping[int, int] | None,
-                 capacity_bytes: int | None) -> dict[int, int]:
-    """Each layer's slots as the store will give them."""
-    layers = list(model.layers)
-    if isinstance(slots_per_layer, Mapping):
-        return {l: min(int(slots_per_layer[l]), model.num_experts(l)) for l in layers}
-    if slots_per_layer is not None:
-        return {l: min(int(slots_per_layer), model.num_experts(l)) for l in layers}
-    per_layer = int(capacity_bytes or 0) // max(len(layers), 1)
-    return {l: min(per_layer // int(model.expert_nbytes(l)), model.num_experts(l)) for l in layers}
-
-
 def warm_order(history: Usage, room: Mapping[int, int], skip: Iterable[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """Up to ``room[layer]`` of each layer's hottest experts in the history,
     leaving out ``skip``, each layer's coldest first and hottest last (the
@@ -401,14 +389,13 @@ def warm_order(history: Usage, room: Mapping[int, int], skip: Iterable[tuple[int
     return out
 
 
-def warm_for_store(history: Usage, model: Any, slots_per_layer: int | Mapping[int, int] | None,
-                   capacity_bytes: int | None, pins: Iterable[tuple[int, int]],
+def warm_for_store(history: Usage, slots: Mapping[int, int], pins: Iterable[tuple[int, int]],
                    warm: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """``warm`` plus, for every layer, the history's hottest experts that are
-    neither pinned nor in ``warm``, filling the layer's unpinned slots."""
+    neither pinned nor in ``warm``, filling the layer's unpinned slots
+    (``slots``: each layer's, as the store gives them)."""
     explicit = list(warm)
     pinned = list(pins)
-    slots = _layer_slots(model, slots_per_layer, capacity_bytes)
     used: dict[int, int] = {}
     for layer, _ in pinned + explicit:
         used[layer] = used.get(layer, 0) + 1
@@ -416,15 +403,15 @@ def warm_for_store(history: Usage, model: Any, slots_per_layer: int | Mapping[in
     return tuple(explicit + warm_order(history, room, pinned + explicit))
 
 
-def pins_for_store(history: Usage, model: Any, pinned_bytes: int, slots_per_layer: int | Mapping[int, int] | None,
-                   capacity_bytes: int | None, pin: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """``pin`` plus the history's hottest experts up to ``pinned_bytes``
-    (:meth:`Usage.hottest_by_bytes`), at most half of each layer's slots
-    pinned in all, so every layer keeps room to load what a token asks."""
+def pins_for_store(history: Usage, model: Any, pinned_bytes: int, slots: Mapping[int, int],
+                   pin: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``pin`` plus the history's hottest experts up to ``pinned_bytes`` of
+    expert bytes (:meth:`Usage.hottest_by_bytes`), at most half of each
+    layer's slots (``slots``: as the store gives them) pinned in all, so
+    every layer keeps room to load what a token asks."""
     explicit = list(pin)
     layers = list(model.layers)
     nbytes = {l: int(model.expert_nbytes(l)) for l in layers}
-    slots = _layer_slots(model, slots_per_layer, capacity_bytes)
     taken: dict[int, int] = {}
     for layer, _ in explicit:
         taken[layer] = taken.get(layer, 0) + 1

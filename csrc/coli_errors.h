@@ -2,10 +2,11 @@
  * coli_errors.h (private): the error codes every part of the core returns,
  * and the helper that writes a failure's message.
  *
- * The codes are public through lru_store.h, which includes this header;
- * build_ffi.py copies the enum below into the cffi cdef (the Python side
- * maps the codes to exceptions), so it stays a plain enum cdef can parse.
- * The readers and the I/O pool include this header, not the store's.
+ * The codes are public through coli_store.h, which includes this header;
+ * build_ffi.py copies the anonymous enums below into the cffi cdef (the
+ * Python side maps the codes to exceptions), so they stay plain enums cdef
+ * can parse. The reader and the store's own files include this header, not
+ * the store's public one.
  */
 #ifndef COLI_ERRORS_H
 #define COLI_ERRORS_H
@@ -26,8 +27,12 @@ enum {
     COLI_ELEASE = -7,       /* lease misuse, e.g. lookup into a view holding a lease */
     COLI_ETHREAD = -8,      /* a thread or lock could not be created */
     COLI_ETIMEOUT = -9,     /* a wait for idle ended at its timeout */
-    COLI_ECLOSED = -10,     /* the store was closed with coli_lru_close */
-    COLI_EAGAIN = -11       /* coli_lru_lookup_resident: not a hit now; do a full lookup */
+    COLI_ECLOSED = -10,     /* the store was closed with coli_store_close */
+    COLI_EAGAIN = -11       /* coli_store_lookup_resident: not a hit now; do a full lookup */
+};
+
+enum {
+    COLI_ERR_LEN = 512      /* a message buffer of this many bytes holds any message the core writes */
 };
 
 /* Writes the message (snprintf, truncated to err_len) into err, if any, and

@@ -13,6 +13,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "coli_formats.h"
+
 #define RUN_ALIGN 64u             /* buffered runs keep their file offset's alignment mod this */
 #define MERGE_GAP 4096u           /* ranges this close in a file are read as one run, gap included */
 
@@ -93,41 +95,18 @@ void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise) {
         if (files->fds[i] >= 0) (void)posix_fadvise(files->fds[i], 0, 0, POSIX_FADV_RANDOM);
 }
 
-/* Bytes a tensor of this format and shape occupies; false for an unknown
- * format, an overflow, or a shape the format's words cannot pack. */
-static bool data_bytes_for(ColiTensorFormat f, int64_t rows, int64_t cols, uint64_t *out) {
-    uint64_t r = (uint64_t)rows, c = (uint64_t)cols, per_row;
-    switch (f) {
-    case COLI_TENSOR_F32: per_row = c * 4; break;
-    case COLI_TENSOR_F16:
-    case COLI_TENSOR_BF16: per_row = c * 2; break;
-    case COLI_TENSOR_Q8_ROW:
-    case COLI_TENSOR_FP8_E4M3_BLOCK:
-    case COLI_TENSOR_INT8_BLOCK:
-    case COLI_TENSOR_F8_E4M3:
-    case COLI_TENSOR_F8_E5M2: per_row = c; break;
-    case COLI_TENSOR_Q4_ROW:
-    case COLI_TENSOR_FP4_NATIVE_BLOCK:
-    case COLI_TENSOR_INT4_BLOCK: per_row = (c + 1) / 2; break;
-    case COLI_TENSOR_Q2_ROW: per_row = (c + 3) / 4; break;
-    case COLI_TENSOR_INT4_GPTQ:   /* int32 words of eight values down each column */
-        if (r % 8) return false;
-        return !__builtin_mul_overflow(r / 8 * 4, c, out);
-    case COLI_TENSOR_INT4_AWQ:    /* int32 words of eight values along each row */
-        if (c % 8) return false;
-        per_row = c / 8 * 4;
-        break;
-    default: return false;
-    }
-    return !__builtin_mul_overflow(per_row, r, out);
-}
-
+/* files NULL: a check without files (only the range's own sum). */
 static int check_range(const ColiFileSet *files, int file, uint64_t off, uint64_t len,
                        const char *what, const char *part, char *err, size_t err_len) {
+    uint64_t end;
+    if (!files)
+        return __builtin_add_overflow(off, len, &end)
+                   ? coli_fail(err, err_len, COLI_ECONFIG, "%s %s: offset %llu + %llu bytes overflow",
+                               what, part, (unsigned long long)off, (unsigned long long)len)
+                   : COLI_OK;
     if (file < 0 || file >= files->n)
         return coli_fail(err, err_len, COLI_ECONFIG, "%s %s: file index %d out of range (%d files)",
                          what, part, file, files->n);
-    uint64_t end;
     if (__builtin_add_overflow(off, len, &end) || end > files->sizes[file])
         return coli_fail(err, err_len, COLI_ECONFIG,
                          "%s %s: bytes [%llu, %llu) lie past the end of %s (%llu bytes)",
@@ -136,28 +115,28 @@ static int check_range(const ColiFileSet *files, int file, uint64_t off, uint64_
     return COLI_OK;
 }
 
-/* The scale format each block format takes; COLI_SCALE_NONE for a format
- * without scales. Formats no producer writes are refused here. */
-static bool scale_allowed(ColiTensorFormat f, ColiScaleFormat sf) {
-    switch (f) {
-    case COLI_TENSOR_FP8_E4M3_BLOCK: return sf == COLI_SCALE_F32;
-    case COLI_TENSOR_FP4_NATIVE_BLOCK: return sf == COLI_SCALE_UE8M0;
-    case COLI_TENSOR_INT4_BLOCK:
-    case COLI_TENSOR_INT4_GPTQ:
-    case COLI_TENSOR_INT4_AWQ:
-        return sf == COLI_SCALE_F32 || sf == COLI_SCALE_BF16 || sf == COLI_SCALE_F16;
-    default: return sf == COLI_SCALE_NONE || sf == COLI_SCALE_F32;
-    }
-}
-
-static uint64_t scale_size(ColiScaleFormat sf) {
-    switch (sf) {
-    case COLI_SCALE_F32: return 4;
-    case COLI_SCALE_UE8M0: return 1;
-    case COLI_SCALE_BF16:
-    case COLI_SCALE_F16: return 2;
-    default: return 0;
-    }
+/* Checks a scaled tensor's scales: their format, block grid and size. */
+static int check_scales(const ColiTensorSource *t, const ColiFormatInfo *f, const char *what,
+                        char *err, size_t err_len) {
+    const ColiScaleInfo *sc = coli_scale_info(t->scale_format);
+    if (!sc)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown scale format %d",
+                         what, (int)t->scale_format);
+    if (!coli_format_takes(f, t->scale_format))
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: format %s cannot take %s scales",
+                         what, f->name, sc->name);
+    if (t->scale_format == COLI_SCALE_NONE) return COLI_OK;
+    if (t->block_rows == 0 || t->block_columns == 0)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: scaled tensor with a zero block size", what);
+    uint64_t blocks = ((uint64_t)t->rows + t->block_rows - 1) / t->block_rows *
+                      (((uint64_t)t->columns + t->block_columns - 1) / t->block_columns);
+    uint64_t scale_expect = blocks * sc->bytes;
+    if (t->scale_nbytes != scale_expect)
+        return coli_fail(err, err_len, COLI_ECONFIG,
+                         "%s: %llu scale bytes, %llu expected for %u x %u blocks",
+                         what, (unsigned long long)t->scale_nbytes,
+                         (unsigned long long)scale_expect, t->block_rows, t->block_columns);
+    return COLI_OK;
 }
 
 int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
@@ -165,39 +144,25 @@ int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
     if (t->rows <= 0 || t->columns <= 0)
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: shape %lld x %lld is not positive",
                          what, (long long)t->rows, (long long)t->columns);
-    if (t->format == COLI_TENSOR_Q8_ROW || t->format == COLI_TENSOR_Q4_ROW ||
-        t->format == COLI_TENSOR_Q2_ROW || t->format == COLI_TENSOR_INT8_BLOCK)
+    const ColiFormatInfo *f = coli_format_info(t->format);
+    if (!f)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown format %d", what, (int)t->format);
+    if (f->packing == COLI_PACK_REFUSED)
         return coli_fail(err, err_len, COLI_ECONFIG,
-                         "%s: format %d is not supported by this store (no checkpoint format maps to it)",
-                         what, (int)t->format);
+                         "%s: format %d (%s) is not supported by this store (no checkpoint format maps to it)",
+                         what, (int)t->format, f->name);
     uint64_t expect;
-    if (!data_bytes_for(t->format, t->rows, t->columns, &expect))
-        return coli_fail(err, err_len, COLI_ECONFIG, "%s: format %d cannot hold %lld x %lld (unknown format, oversized, or not whole words)",
-                         what, (int)t->format, (long long)t->rows, (long long)t->columns);
+    if (!coli_format_bytes(f, t->rows, t->columns, &expect))
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: format %s cannot hold %lld x %lld (oversized, or not whole words)",
+                         what, f->name, (long long)t->rows, (long long)t->columns);
     if (t->nbytes != expect)
         return coli_fail(err, err_len, COLI_ECONFIG,
-                         "%s: %llu bytes do not match format %d of shape %lld x %lld (%llu expected)",
-                         what, (unsigned long long)t->nbytes, (int)t->format,
+                         "%s: %llu bytes do not match format %s of shape %lld x %lld (%llu expected)",
+                         what, (unsigned long long)t->nbytes, f->name,
                          (long long)t->rows, (long long)t->columns, (unsigned long long)expect);
     int rc = check_range(files, t->file, t->offset, t->nbytes, what, "data", err, err_len);
-    if (rc) return rc;
-    if (t->scale_format != COLI_SCALE_NONE && scale_size(t->scale_format) == 0)
-        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown scale format %d",
-                         what, (int)t->scale_format);
-    if (!scale_allowed(t->format, t->scale_format))
-        return coli_fail(err, err_len, COLI_ECONFIG, "%s: format %d cannot take scale format %d",
-                         what, (int)t->format, (int)t->scale_format);
-    if (t->scale_format == COLI_SCALE_NONE) return COLI_OK;
-    if (t->block_rows == 0 || t->block_columns == 0)
-        return coli_fail(err, err_len, COLI_ECONFIG, "%s: scaled tensor with a zero block size", what);
-    uint64_t blocks = ((uint64_t)t->rows + t->block_rows - 1) / t->block_rows *
-                      (((uint64_t)t->columns + t->block_columns - 1) / t->block_columns);
-    uint64_t scale_expect = blocks * scale_size(t->scale_format);
-    if (t->scale_nbytes != scale_expect)
-        return coli_fail(err, err_len, COLI_ECONFIG,
-                         "%s: %llu scale bytes, %llu expected for %u x %u blocks",
-                         what, (unsigned long long)t->scale_nbytes,
-                         (unsigned long long)scale_expect, t->block_rows, t->block_columns);
+    if (rc == COLI_OK) rc = check_scales(t, f, what, err, err_len);
+    if (rc || t->scale_format == COLI_SCALE_NONE) return rc;
     return check_range(files, t->scale_file, t->scale_offset, t->scale_nbytes, what, "scales",
                        err, err_len);
 }
@@ -317,15 +282,18 @@ int coli_plan_expert(const ColiExpertSource *src, bool direct,
     return COLI_OK;
 }
 
-/* True when the armed fault hook says this read must fail. */
-static bool fault_fires(ColiFaultHook *fault) {
-    if (!fault) return false;
-    uint64_t cur = atomic_load(&fault->countdown);
+#ifdef COLI_TEST_CONTROL
+/* The errno a test build's injected fault gives this read, or 0. */
+static int injected_fault(const ColiFileSet *files) {
+    ColiReadFault *fault = files->fault;
+    uint64_t cur = fault ? atomic_load(&fault->countdown) : 0;
     while (cur != 0) {
-        if (atomic_compare_exchange_weak(&fault->countdown, &cur, cur - 1)) return cur == 1;
+        if (atomic_compare_exchange_weak(&fault->countdown, &cur, cur - 1))
+            return cur == 1 ? atomic_load(&fault->errno_value) : 0;
     }
-    return false;
+    return 0;
 }
+#endif
 
 /* Tells the kernel that bytes [from, from + len) of run rr (clipped to the
  * run) are wanted now: it starts their reads without waiting for them. */
@@ -349,8 +317,7 @@ static ssize_t read_cached(int fd, unsigned char *dst, size_t len, off_t off) {
 }
 
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
-                     unsigned char *slot, ColiFaultHook *fault,
-                     const ColiReadPacer *pacer,
+                     unsigned char *slot, const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len) {
     *bytes_read = 0;
     /* O_DIRECT reads go in one call: the block layer splits it and keeps
@@ -383,8 +350,13 @@ int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
             if (chunk && want > chunk) want = chunk;
             unsigned char *dst = slot + rr->slot_offset + done;
             off_t at = (off_t)(rr->file_offset + done);
-            if (fault_fires(fault)) {
-                errno = atomic_load(&fault->errno_value);
+#ifdef COLI_TEST_CONTROL
+            int fault = injected_fault(files);
+#else
+            const int fault = 0;  /* the product has no fault to inject: the branch folds away */
+#endif
+            if (fault) {
+                errno = fault;
                 got = -1;
             } else if (probe) {
                 got = read_cached(fd, dst, want, at);

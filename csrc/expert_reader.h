@@ -20,10 +20,10 @@
 #include <stdint.h>
 
 #include "coli_errors.h"
-#include "lru_store.h"       /* ColiTensorSource, ColiExpertSource */
+#include "coli_sources.h"   /* ColiTensorSource, ColiExpertSource */
 
 #define COLI_IO_ALIGN 4096u       /* O_DIRECT alignment of offsets, lengths and buffers */
-#define COLI_MAX_RUNS (6 + COLI_MAX_PARTS)  /* gate, up, down, their scales, extra parts */
+#define COLI_MAX_RUNS (COLI_ROLE_PARTS + COLI_MAX_PARTS)  /* gate, up, down, their scales, extra parts */
 
 typedef struct {
     int file;                     /* index into the model's files */
@@ -44,6 +44,15 @@ typedef struct {
     int n_parts;                  /* extra parts of the expert */
 } ColiReadPlan;
 
+#ifdef COLI_TEST_CONTROL
+/* Test builds: an injected read fault. The nth read from now (counted over
+ * every thread) fails with errno_value; 0 disarms. */
+typedef struct {
+    _Atomic uint64_t countdown;
+    _Atomic int errno_value;
+} ColiReadFault;
+#endif
+
 /* The model's open files. */
 typedef struct {
     int n;
@@ -55,13 +64,10 @@ typedef struct {
     /* How buffered reads (no O_DIRECT) go; coli_files_tune sets them. */
     uint64_t read_chunk;          /* bytes per pread; 0: one pread per run */
     bool willneed;                /* POSIX_FADV_WILLNEED over a run before reading it */
+#ifdef COLI_TEST_CONTROL
+    ColiReadFault *fault;         /* test builds: the fault every read asks (NULL: none) */
+#endif
 } ColiFileSet;
-
-/* Test hook state: the nth read from now fails with errno_value. */
-typedef struct {
-    _Atomic uint64_t countdown;
-    _Atomic int errno_value;
-} ColiFaultHook;
 
 /* Opens every path read-only (O_DIRECT when direct, falling back to the page
  * cache where the file system refuses it). On failure nothing stays open. */
@@ -80,8 +86,10 @@ void coli_files_tune(ColiFileSet *files, uint64_t read_chunk, bool advise);
 /* Closes and frees; safe on a zeroed or half-opened set. */
 void coli_files_close(ColiFileSet *files);
 
-/* Checks one tensor's source against the files and its format and shape.
- * what names it in messages ("layer 3 expert 5 gate"). */
+/* Checks one tensor's source against its format and shape, and its byte
+ * ranges against the files (files NULL: a check without files, as for a
+ * replay store or a plan). what names it in messages ("layer 3 expert 5
+ * gate"). */
 int coli_check_tensor(const ColiFileSet *files, const ColiTensorSource *t,
                       const char *what, char *err, size_t err_len);
 
@@ -112,8 +120,7 @@ typedef struct {
  * COLI_READ_STOPPED. *bytes_read gets the bytes that arrived, also on
  * failure. A failure names file, offset and errno. */
 int coli_read_expert(const ColiFileSet *files, const ColiReadPlan *plan,
-                     unsigned char *slot, ColiFaultHook *fault,
-                     const ColiReadPacer *pacer,
+                     unsigned char *slot, const ColiReadPacer *pacer,
                      uint64_t *bytes_read, char *err, size_t err_len);
 
 #endif /* COLI_EXPERT_READER_H */

@@ -2,9 +2,8 @@
  * expert_store.h: the expert store contract.
  *
  * An expert store hands out read-only views of one routed expert's three
- * tensors (gate, up, down) under a lease. ABI-compatible with colibri's
- * expert_store.h: field order and the first eight stats counters must not
- * change; counters this package adds are appended.
+ * tensors (gate, up, down) under a lease. ABI: the field order and the
+ * first eight stats counters never change; new counters are appended.
  *
  * THE LEASE CONTRACT
  *
@@ -49,8 +48,8 @@ typedef struct {
 
 /* An expert's tensors. A fused gate_up (gpt-oss, Llama 4) is described by
  * gate, with up zeroed (data NULL). Parts the view has no field for (biases,
- * zero points) are in the same slot: the LRU store says where with
- * coli_lru_expert_parts (lru_store.h). */
+ * zero points) are in the same slot: the store says where with
+ * coli_store_expert_parts (coli_store.h). */
 typedef struct {
     ColiExpertKey key;
     ColiTensorView gate;
@@ -61,7 +60,7 @@ typedef struct {
 } ColiExpertView;
 
 typedef struct {
-    /* colibri's eight counters, in colibri's order */
+    /* the first eight counters, in this order for good */
     uint64_t requests;          /* lookups of a valid key */
     uint64_t hits;              /* served from a resident slot or a joined load */
     uint64_t misses;            /* lookups that started a demand load */
@@ -70,7 +69,7 @@ typedef struct {
     uint64_t bytes_read;        /* bytes read from storage */
     uint64_t resident_bytes;    /* bytes of experts resident now */
     uint64_t capacity_bytes;    /* the budget; resident_bytes <= capacity_bytes */
-    /* appended by this package */
+    /* appended after them */
     uint64_t persistent_hits;   /* hits served by pinned experts */
     uint64_t transient_hits;    /* every other hit: hits = persistent + transient */
     uint64_t inflight_joins;    /* lookups that waited for a load in flight */

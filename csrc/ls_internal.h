@@ -1,14 +1,23 @@
 /*
- * ls_internal.h (private): the LRU store's data, shared by its files.
+ * ls_internal.h (private): the store's data, shared by its files.
  *
- *   lru_store.c     life cycle: create (config, layers, slots), close,
- *                   destroy, stats, the small extras
- *   ls_slots.c      the slot state machine and its named transitions
- *   ls_policy.c     the eviction policies behind the seam (lru, lfu, lrfu, cooc)
- *   ls_lookup.c     lookup, lookup_resident, lookup_many, release, replay
+ *   ls_api.c        the public entry points: each checks its handle and
+ *                   calls the file that does the job; the ops table
+ *   ls_create.c     life cycle: create (config, layers, slot counts and
+ *                   memory, pins and warm experts, the pool), close, destroy
+ *   ls_lookup.c     lookup, lookup_resident, lookup_many, release, replay,
+ *                   view layouts
  *   ls_prefetch.c   prefetch, the I/O workers' jobs (prefetches, batch
- *                   reads, pins and warm experts), pacing, retire
+ *                   reads, pins and warm experts), retire
+ *   ls_slots.c      the slot state machine and its named transitions (ls_slots.h)
+ *   ls_policy.c     the eviction policies behind the seam (ls_policy.h)
+ *   ls_wait.c       waits: deadlines, a layer's condition, wait_idle, and
+ *                   the demand gate where prefetch reads pause for demand reads
+ *   ls_stats.c      counters and facts: stats, requests, pins, leases, parts
  *
+ * A file calls only files listed after it (policies only through the seam's
+ * table), so no two files call each other; ls_test_control.c, compiled in
+ * test builds only, calls ls_api.c's handle check and the demand gate.
  * Private names start with ls_ (functions) or Ls (types); public ones with
  * coli_ / Coli. Nothing here is seen by cffi.
  *
@@ -32,13 +41,12 @@
 #include <time.h>
 
 #include "coli_errors.h"
+#include "coli_sources.h"
 #include "expert_reader.h"
+#include "expert_store.h"
 #include "io_pool.h"
-#include "lru_store.h"
 
 #define LS_DEFAULT_QUEUE_DEPTH 256u
-#define LS_MAX_LAYER_ID 1000000
-#define LS_MAX_EXPERT_ID 1000000
 #define LS_ERRLEN COLI_ERR_LEN
 #define LS_DEFAULT_PREFETCH_CHUNK (1ull << 20)   /* a prefetch read can yield to demand reads this often */
 #define LS_MIN_PREFETCH_CHUNK (64ull << 10)
@@ -54,9 +62,11 @@ enum { LS_BATCH_NONE, LS_BATCH_QUEUED, LS_BATCH_RUNNING, LS_BATCH_DONE };
 
 typedef struct LsLayer LsLayer;
 typedef struct LsSlot LsSlot;
+typedef struct LsPolicy LsPolicy;   /* the policy seam: ls_policy.h */
+typedef struct ColiStoreConfig ColiStoreConfig;   /* coli_store.h */
 
 struct LsSlot {
-    LsSlot *prev, *next;          /* the policy's links; valid only while evictable */
+    LsSlot *prev, *next;          /* the list's links (keeps_list); valid only while evictable */
     LsLayer *layer;               /* owning layer, fixed */
     unsigned char *mem;           /* slot memory, fixed */
     int expert;                   /* expert held or loading; -1 when EMPTY */
@@ -92,62 +102,6 @@ typedef struct {
     uint64_t persistent_hits;     /* hits on pinned slots */
 } LsCounters;
 
-/* THE POLICY SEAM. The evictable set of a layer (every EMPTY slot, and
- * every RESIDENT one without a lease and not pinned) belongs to its policy;
- * the state machine (ls_slots.c) tells it what changes, under the layer
- * mutex, and asks it for a victim. A policy keeps its state in the slots'
- * pol_* fields, in the layer's pol (its init allocates it) and may read
- * the layer's clock (one tick per lookup or lookup_many of the layer) and
- * requests_of. Only victim, and insert and remove unless lru_list, are
- * required. For a policy whose set is the LRU list (lru, cooc) the state
- * machine calls the list operations directly (ls_lru_insert/remove,
- * inlined) instead of through the table, so its hit path has no indirect
- * call for them. */
-typedef struct {
-    const char *name;
-    /* The set is the layer's LRU list (list, ls_lru_insert/remove), which
-     * the state machine keeps inline, a slot's pol_value 1 if it joined
-     * cold, else 0; insert and remove are then unused. */
-    bool lru_list;
-    /* v joins the set: at the hot end (just released or loaded) or, with
-     * cold, ahead of every slot there for eviction (emptied, demoted). */
-    void (*insert)(LsLayer *L, LsSlot *v, bool cold);
-    void (*remove)(LsLayer *L, LsSlot *v);   /* v leaves the set: leased or taken */
-    LsSlot *(*victim)(LsLayer *L);           /* the slot to give up next, or NULL */
-    /* A lookup used v's resident (or queued, taken over) expert; rank is the
-     * expert's place in the request (0 for a single lookup). Called before
-     * v leaves the set. */
-    void (*hit)(LsLayer *L, LsSlot *v, int rank);
-    /* v was given to a new expert: by a demand miss (used, with its rank),
-     * or by a prefetch or a pin (not used, rank -1). */
-    void (*assign)(LsLayer *L, LsSlot *v, int rank);
-    /* A lookup (count 1) or lookup_many of these experts (in request
-     * order, repeats possible) begins, before any of its hits or misses. */
-    void (*step)(LsLayer *L, const int *experts, int count);
-    int (*init)(LsLayer *L, char *err, size_t n);   /* before any slot joins the set */
-    void (*fini)(LsLayer *L);                       /* frees what init allocated */
-} LsPolicy;
-
-extern const LsPolicy ls_policy_lru, ls_policy_lfu, ls_policy_lrfu, ls_policy_cooc;
-
-/* The LRU list (ls_policy.c describes it), inline for the hit path. */
-static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold);
-static inline void ls_lru_remove(LsSlot *s);
-
-/* A binary min-heap of slots for policies that order by a key: each slot's
- * pol_index is its place. less orders two slots. O(log n) per change. */
-typedef bool (*LsLess)(const LsSlot *a, const LsSlot *b);
-typedef struct {
-    LsSlot **at;                  /* n_slots places */
-    uint32_t n;
-} LsHeap;
-
-void ls_heap_push(LsHeap *h, LsSlot *v, LsLess less);
-void ls_heap_remove(LsHeap *h, LsSlot *v, LsLess less);
-/* After v's key changed (v in the heap). */
-void ls_heap_update(LsHeap *h, LsSlot *v, LsLess less);
-extern const LsPolicy *const ls_policies[];   /* indexed by COLI_POLICY_*, NULL-terminated */
-
 struct LsLayer {
     /* Layers sit side by side in one array: each starts on its own cache
      * line so threads on different layers do not share one. */
@@ -170,7 +124,7 @@ struct LsLayer {
     void *pol;                    /* the policy's state of this layer (its init's) */
     double pol_param;             /* the policy's tuning constant; 0 = its default; fixed */
     uint64_t clock;               /* ticks once per lookup or lookup_many of this layer */
-    LsSlot list;                  /* the LRU policy's sentinel */
+    LsSlot list;                  /* the list's sentinel, for a policy that keeps_list */
     uint32_t waiters;             /* threads in a wait on cv */
     uint32_t loading;             /* slots QUEUED or READING */
     uint32_t queued;              /* slots QUEUED */
@@ -183,6 +137,17 @@ struct LsLayer {
     _Atomic uint64_t calls;       /* lookups of this layer in progress (close guard) */
 };
 
+#ifdef COLI_TEST_CONTROL
+/* What a test build's coli_test_control arms (ls_test_control.c). A
+ * production build has none of it, and its reads and prefetch pauses check
+ * nothing. */
+typedef struct {
+    ColiReadFault fault;              /* the nth read from now fails (the files point here) */
+    _Atomic int hold_prefetch;        /* prefetch reads wait at the gate before each chunk */
+    _Atomic uint32_t held;            /* prefetch reads waiting on that hold now */
+} LsTestState;
+#endif
+
 typedef struct {
     ColiExpertStore base;         /* handed out; base.state points here */
     ColiFileSet files;
@@ -194,12 +159,11 @@ typedef struct {
     bool replay;                  /* no files, no slot memory: loads read nothing */
     int64_t wait_timeout_ns;
     ColiIoPool pool;
-    ColiFaultHook fault;
     _Atomic uint64_t inflight;    /* loads QUEUED or READING, all layers */
     _Atomic uint64_t peak_inflight;
     _Atomic uint64_t prefetch_calls;  /* prefetches in progress (close guard) */
     _Atomic uint64_t generations; /* source of slot generations: unique in the store */
-    _Atomic int closed;           /* set by coli_lru_close: slot memory is gone */
+    _Atomic int closed;           /* set by coli_store_close: slot memory is gone */
     /* Demand first: prefetch reads go in chunks and, before each chunk,
      * wait while a demand read is in progress (at most LS_PAUSE_LIMIT_NS), so
      * a miss gets the disk to itself instead of a share of it. */
@@ -210,8 +174,9 @@ typedef struct {
     pthread_mutex_t gate_mu;          /* a leaf lock: paused prefetch reads wait on gate_cv */
     pthread_cond_t gate_cv;
     bool gate_ready;
-    _Atomic int hold_prefetch;        /* test hook: prefetch reads wait before each chunk */
-    _Atomic uint32_t held;            /* prefetch reads waiting on that hook now */
+#ifdef COLI_TEST_CONTROL
+    LsTestState test;                 /* what coli_test_control sets (test builds only) */
+#endif
     LsSlot **preloads;                /* the slots given to pins, then warm experts, at create */
     uint64_t *preload_gens;           /* each one's generation then: a changed one was taken */
     int n_preloads;
@@ -220,31 +185,6 @@ typedef struct {
 } LsStore;
 
 /* ---- small helpers (every file) ------------------------------------- */
-
-static inline void ls_lru_insert(LsLayer *L, LsSlot *s, bool cold) {
-    if (cold) {               /* at the LRU end */
-        s->prev = L->list.prev;
-        s->next = &L->list;
-        L->list.prev->next = s;
-        L->list.prev = s;
-    } else {                  /* at the MRU end */
-        s->next = L->list.next;
-        s->prev = &L->list;
-        L->list.next->prev = s;
-        L->list.next = s;
-    }
-}
-
-static inline void ls_lru_remove(LsSlot *s) {
-    s->prev->next = s->next;
-    s->next->prev = s->prev;
-}
-
-extern const ColiExpertStoreOps ls_ops;
-
-static inline LsStore *ls_store_of(ColiExpertStore *store) {
-    return (store && store->ops == &ls_ops) ? (LsStore *)store->state : NULL;
-}
 
 static inline LsLayer *ls_find_layer(LsStore *s, int layer) {
     return (layer >= 0 && layer <= s->max_id) ? s->by_id[layer] : NULL;
@@ -294,7 +234,7 @@ static inline int ls_read(LsStore *s, const ColiReadPlan *plan, unsigned char *m
         *nread = ls_plan_bytes(plan);
         return COLI_OK;
     }
-    return coli_read_expert(&s->files, plan, mem, &s->fault, pacer, nread, err, n);
+    return coli_read_expert(&s->files, plan, mem, pacer, nread, err, n);
 }
 
 /* Wakes the layer's waiters, if any. Caller holds L->mu. */
@@ -302,33 +242,101 @@ static inline void ls_wake(LsLayer *L) {
     if (L->waiters > 0) pthread_cond_broadcast(&L->cv);
 }
 
-/* The monotonic time ns from now. */
-void ls_deadline_after(struct timespec *ts, int64_t ns);
+/* ---- the handle (ls_api.c) ------------------------------------------ */
 
-/* Waits on L->cv, until deadline when given. Returns ETIMEDOUT or 0. */
-int ls_layer_wait(LsLayer *L, const struct timespec *deadline);
+/* The ops every store of this library carries: its identity. An op is
+ * reached only through this table, so it may take store->state as ours. */
+extern const ColiExpertStoreOps ls_ops;
 
-/* ---- demand first (ls_prefetch.c) ----------------------------------- */
+/* The store behind a public handle, or NULL when it is not one of ours. */
+static inline LsStore *ls_store_of(ColiExpertStore *store) {
+    return (store && store->ops == &ls_ops) ? (LsStore *)store->state : NULL;
+}
 
-/* Bracket every read a lookup waits for. */
-void ls_demand_begin(LsStore *s);
-void ls_demand_end(LsStore *s);
-/* A lookup now waits for the load of v (READING): it must run unpaused. */
-void ls_demand_join(LsStore *s, LsSlot *v);
-/* The test hook's hold on prefetch reads (lifted by close and destroy). */
-void ls_set_hold(LsStore *s, int hold);
+/* ---- life cycle (ls_create.c) ---------------------------------------- */
+
+/* The store of coli_store_create, its handle not filled in yet: *out on
+ * success; on failure NULL, nothing left allocated, err says why. Its pins
+ * and warm experts are loading (or loaded, with no workers) on return. */
+int ls_create(const ColiStoreConfig *config, LsStore **out, char *err, size_t n);
+/* coli_store_plan_slots, config not NULL. */
+int ls_plan_slots(const ColiStoreConfig *config, uint32_t *out, int n_out, char *err, size_t n);
+/* coli_store_close on a store of ours. */
+int ls_close(LsStore *s, char *err, size_t n);
+void ls_destroy_op(ColiExpertStore *store);
+
+/* ---- lookups (ls_lookup.c) ------------------------------------------- */
+
+/* coli_store_lookup (hit_only: coli_store_lookup_resident) on a store of
+ * ours, with the close guard. */
+int ls_lookup(LsStore *s, int layer, int expert, ColiExpertView *view, bool hit_only,
+              char *err, size_t n);
+/* coli_store_lookup_many on a store of ours, with the close guard. */
+int ls_lookup_many(LsStore *s, int layer, const int *experts, int count, ColiExpertView *views,
+                   char *err, size_t n);
+/* coli_store_replay on a store of ours. */
+int ls_replay(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
+              int64_t n_tokens, int k, char *err, size_t n);
+int ls_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view);
+void ls_release_op(ColiExpertStore *store, ColiExpertView *view);
+
+/* ---- prefetch and the workers' jobs (ls_prefetch.c) ------------------ */
+
+int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count);
+/* coli_store_retire_prefetches on layer L. */
+int ls_retire_prefetches(LsStore *s, LsLayer *L, const int *keep, int n_keep);
 /* Loads the pins and warm experts (LS_PRELOAD_JOB jobs, or here with no
  * workers). */
 void ls_start_preloads(LsStore *s);
 /* The pool's job function: batch reads (LS_DEMAND_JOB) and prefetches. */
 void ls_run_job(void *ctx, ColiJob job);
 
-/* ---- ops (ls_lookup.c, ls_prefetch.c) ------------------------------- */
+/* ---- waits and the demand gate (ls_wait.c) --------------------------- */
 
-int ls_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view);
-void ls_release_op(ColiExpertStore *store, ColiExpertView *view);
-int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count);
+/* A mutex and a condition on the monotonic clock (the one deadlines use).
+ * Returns 0, 1 if the mutex failed, 2 if the condition did (nothing left). */
+int ls_sync_init(pthread_mutex_t *mu, pthread_cond_t *cv);
+/* The monotonic time ns from now. */
+void ls_deadline_after(struct timespec *ts, int64_t ns);
+/* Waits on L->cv, until deadline when given. Returns ETIMEDOUT or 0. */
+int ls_layer_wait(LsLayer *L, const struct timespec *deadline);
+/* coli_store_wait_idle on a store of ours. */
+int ls_wait_idle(LsStore *s, int layer, int64_t timeout_ns);
+/* Bracket every read a lookup waits for. */
+void ls_demand_begin(LsStore *s);
+void ls_demand_end(LsStore *s);
+/* A lookup now waits for the load of v (READING): it must run unpaused. */
+void ls_demand_join(LsStore *s, LsSlot *v);
+/* Before each chunk of prefetch read v: false to stop it (retired as a
+ * wrong guess); else it may go on, after waiting while demand reads run
+ * unless a lookup waits for v. */
+bool ls_gate_pause(LsStore *s, LsSlot *v);
+#ifdef COLI_TEST_CONTROL
+/* Test builds: holds begun prefetch reads at the gate, or lets them go. */
+void ls_gate_hold(LsStore *s, int hold);
+#endif
 
-#include "ls_slots.h"
+/* Close and destroy let held prefetch reads go (nothing to do in a
+ * production build, which cannot hold them). */
+static inline void ls_lift_holds(LsStore *s) {
+#ifdef COLI_TEST_CONTROL
+    ls_gate_hold(s, 0);
+#else
+    (void)s;
+#endif
+}
+
+/* ---- counters and facts (ls_stats.c) --------------------------------- */
+
+void ls_stats_op(ColiExpertStore *store, ColiExpertStoreStats *out);
+/* Adds layer L's counters to out (capacity_bytes: its slots' bytes). */
+void ls_add_layer_stats(LsLayer *L, ColiExpertStoreStats *out);
+/* Leases held now, over all layers. */
+uint64_t ls_active_leases(LsStore *s);
+/* coli_store_expert_requests, coli_store_pinned and coli_store_expert_parts
+ * on a store of ours. */
+int ls_expert_requests(LsLayer *L, uint64_t *out, int n);
+int ls_pinned(LsStore *s, ColiExpertKey *out, int n);
+int ls_expert_parts(const LsEntry *e, uint64_t *out, int cap);
 
 #endif /* COLI_LS_INTERNAL_H */

@@ -10,28 +10,12 @@
  * needs; its steps are prepare, wait for room, commit, read, join, finish.
  */
 #define _GNU_SOURCE
-#include "ls_internal.h"
+#include "ls_slots.h"
 
 #include <errno.h>
 #include <stdlib.h>
 
-void ls_deadline_after(struct timespec *ts, int64_t ns) {
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    ts->tv_sec += ns / 1000000000;
-    ts->tv_nsec += ns % 1000000000;
-    if (ts->tv_nsec >= 1000000000) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000;
-    }
-}
-
-int ls_layer_wait(LsLayer *L, const struct timespec *deadline) {
-    L->waiters++;
-    int rc = deadline ? pthread_cond_timedwait(&L->cv, &L->mu, deadline)
-                      : pthread_cond_wait(&L->cv, &L->mu);
-    L->waiters--;
-    return rc;
-}
+#include "coli_store.h"   /* coli_view_layout */
 
 /* A wait for room in a layer none of whose slots a lookup could take. While
  * a load is in flight it waits for that load, which frees or fills a slot.
@@ -87,10 +71,6 @@ static int demand_read(LsStore *s, LsLayer *L, LsSlot *v, ColiExpertView *view, 
 static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
                        bool hit_only, char *err, size_t n) {
     if (!view) return coli_fail(err, n, COLI_EINVAL, "lookup of layer %d expert %d: view is NULL", layer, expert);
-    if (!s) {
-        memset(view, 0, sizeof(*view));
-        return coli_fail(err, n, COLI_EINVAL, "lookup: not an LRU expert store");
-    }
     LsLayer *held = view->lease ? ls_find_layer(s, view->key.layer) : NULL;
     if (held) {
         /* Overwriting a live lease would leak it for good, so drop it and
@@ -158,10 +138,9 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
     }
 }
 
-static int guarded_lookup(ColiExpertStore *store, int layer, int expert, ColiExpertView *view,
-                          bool hit_only, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+int ls_lookup(LsStore *s, int layer, int expert, ColiExpertView *view, bool hit_only,
+              char *err, size_t n) {
+    LsLayer *L = ls_find_layer(s, layer);
     if (L && !ls_call_enter(s, &L->calls)) {
         if (view) memset(view, 0, sizeof(*view));
         return coli_fail(err, n, COLI_ECLOSED, "lookup of layer %d expert %d: the store is closed",
@@ -172,23 +151,13 @@ static int guarded_lookup(ColiExpertStore *store, int layer, int expert, ColiExp
     return rc;
 }
 
-int coli_lru_lookup(ColiExpertStore *store, int layer, int expert,
-                    ColiExpertView *view, char *err, size_t n) {
-    return guarded_lookup(store, layer, expert, view, false, err, n);
-}
-
-int coli_lru_lookup_resident(ColiExpertStore *store, int layer, int expert, ColiExpertView *view) {
-    int rc = guarded_lookup(store, layer, expert, view, true, NULL, 0);
-    return rc == COLI_OK ? COLI_OK : COLI_EAGAIN;
-}
-
 int ls_lookup_op(ColiExpertStore *store, ColiExpertKey key, ColiExpertView *view) {
-    return coli_lru_lookup(store, key.layer, key.expert, view, NULL, 0);
+    return ls_lookup(store->state, key.layer, key.expert, view, false, NULL, 0);   /* through ls_ops */
 }
 
 void ls_release_op(ColiExpertStore *store, ColiExpertView *view) {
-    LsStore *s = ls_store_of(store);
-    if (!s || !view || !view->lease) return;
+    LsStore *s = store->state;   /* reached through ls_ops: a store of ours */
+    if (!view || !view->lease) return;
     LsLayer *L = ls_find_layer(s, view->key.layer);
     if (!L) return;
     pthread_mutex_lock(&L->mu);
@@ -409,7 +378,7 @@ static void batch_finish(Batch *b, bool ok) {
 
 static int lookup_many_impl(LsStore *s, int layer, const int *experts,
                             int count, ColiExpertView *views, char *err, size_t n) {
-    if (!s || count < 0 || (count > 0 && (!experts || !views)))
+    if (count < 0 || (count > 0 && (!experts || !views)))
         return coli_fail(err, n, COLI_EINVAL, "lookup_many: bad arguments");
     memset(views, 0, sizeof(*views) * (size_t)count);
     if (count == 0) return COLI_OK;
@@ -450,10 +419,9 @@ static int lookup_many_impl(LsStore *s, int layer, const int *experts,
     return rc;
 }
 
-int coli_lru_lookup_many(ColiExpertStore *store, int layer, const int *experts,
-                         int count, ColiExpertView *views, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+int ls_lookup_many(LsStore *s, int layer, const int *experts, int count, ColiExpertView *views,
+                   char *err, size_t n) {
+    LsLayer *L = ls_find_layer(s, layer);
     if (L && !ls_call_enter(s, &L->calls)) {
         if (views && count > 0) memset(views, 0, sizeof(*views) * (size_t)count);
         return coli_fail(err, n, COLI_ECLOSED, "lookup_many of layer %d: the store is closed", layer);
@@ -473,40 +441,96 @@ static void release_views(LsLayer *L, ColiExpertView *views, int count) {
     memset(views, 0, sizeof(*views) * (size_t)count);
 }
 
-int coli_lru_replay(ColiExpertStore *store, const int *layers, int n_layers,
-                    const int32_t *experts, int64_t n_tokens, int k, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    if (!s) return coli_fail(err, n, COLI_EINVAL, "replay: not an LRU expert store");
-    if (n_layers < 0 || n_tokens < 0 || k < 0 || (n_layers > 0 && !layers) ||
-        (n_tokens > 0 && n_layers > 0 && k > 0 && !experts))
-        return coli_fail(err, n, COLI_EINVAL, "replay: bad arguments (%d layers, %lld tokens, k %d)",
-                         n_layers, (long long)n_tokens, k);
-    if (k > BATCH_ON_STACK)
-        return coli_fail(err, n, COLI_EINVAL, "replay: %d experts per token and layer, at most %d",
-                         k, BATCH_ON_STACK);
-    for (int i = 0; i < n_layers; i++)
-        if (!ls_find_layer(s, layers[i]))
-            return coli_fail(err, n, COLI_ENOTFOUND, "replay: layer %d has no routed experts", layers[i]);
-    int ids[BATCH_ON_STACK];
-    ColiExpertView views[BATCH_ON_STACK];
-    memset(views, 0, sizeof views);
+/* Gathers the distinct experts >= 0 of row (k of them, in order) into ids,
+ * at most cap. Returns how many. */
+static int distinct_experts(const int32_t *row, int k, int *ids, int cap) {
+    int count = 0;
+    for (int j = 0; j < k && count < cap; j++) {
+        bool seen = row[j] < 0;
+        for (int q = 0; q < count && !seen; q++) seen = ids[q] == row[j];
+        if (!seen) ids[count++] = row[j];
+    }
+    return count;
+}
+
+/* Replays the tokens into buffers ids and views of cap entries each. */
+static int replay_rows(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
+                       int64_t n_tokens, int k, int *ids, ColiExpertView *views, int cap,
+                       char *err, size_t n) {
     char local[LS_ERRLEN];
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int i = 0; i < n_layers; i++) {
             const int32_t *row = experts + ((size_t)t * (size_t)n_layers + (size_t)i) * (size_t)k;
-            int count = 0;
-            for (int j = 0; j < k; j++) {
-                bool seen = row[j] < 0;
-                for (int q = 0; q < count && !seen; q++) seen = ids[q] == row[j];
-                if (!seen) ids[count++] = row[j];
-            }
+            int count = distinct_experts(row, k, ids, cap);
             if (count == 0) continue;
-            int rc = coli_lru_lookup_many(store, layers[i], ids, count, views, local, sizeof local);
+            int rc = ls_lookup_many(s, layers[i], ids, count, views, local, sizeof local);
             if (rc != COLI_OK)
                 return coli_fail(err, n, rc, "replay: token %lld, layer %d: %s", (long long)t,
                                  layers[i], local);
             release_views(ls_find_layer(s, layers[i]), views, count);
         }
+    }
+    return COLI_OK;
+}
+
+int ls_replay(LsStore *s, const int *layers, int n_layers, const int32_t *experts,
+              int64_t n_tokens, int k, char *err, size_t n) {
+    if (n_layers < 0 || n_tokens < 0 || k < 0 || (n_layers > 0 && !layers) ||
+        (n_tokens > 0 && n_layers > 0 && k > 0 && !experts))
+        return coli_fail(err, n, COLI_EINVAL, "replay: bad arguments (%d layers, %lld tokens, k %d)",
+                         n_layers, (long long)n_tokens, k);
+    int widest = 0;               /* a row has at most this many valid distinct experts */
+    for (int i = 0; i < n_layers; i++) {
+        LsLayer *L = ls_find_layer(s, layers[i]);
+        if (!L) return coli_fail(err, n, COLI_ENOTFOUND, "replay: layer %d has no routed experts", layers[i]);
+        if (L->n_entries > widest) widest = L->n_entries;
+    }
+    /* One more than any layer's experts: a row with more distinct ones than
+     * that holds an unknown expert among its first cap, which fails its
+     * lookup as it would among all of them. */
+    int cap = k < widest + 1 ? k : widest + 1;
+    int ids_here[BATCH_ON_STACK];
+    ColiExpertView views_here[BATCH_ON_STACK];
+    bool small = cap <= BATCH_ON_STACK;
+    int *ids = small ? ids_here : malloc(sizeof(int) * (size_t)cap);
+    ColiExpertView *views = small ? views_here : calloc((size_t)cap, sizeof(ColiExpertView));
+    if (!ids || !views) {
+        if (!small) {
+            free(ids);
+            free(views);
+        }
+        return coli_fail(err, n, COLI_ENOMEM, "replay: out of memory for %d experts per token", cap);
+    }
+    if (small) memset(views_here, 0, sizeof views_here);
+    int rc = replay_rows(s, layers, n_layers, experts, n_tokens, k, ids, views, cap, err, n);
+    if (!small) {
+        free(ids);
+        free(views);
+    }
+    return rc;
+}
+
+/* ---- views ------------------------------------------------------------ */
+
+int coli_view_layout(const ColiExpertView *view, uint64_t out[COLI_VIEW_LAYOUT_LEN]) {
+    if (!view || !view->lease || !out) return COLI_EINVAL;
+    const ColiTensorView *t[3] = {&view->gate, &view->up, &view->down};
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (int i = 0; i < 3; i++) {
+        uintptr_t d = (uintptr_t)t[i]->data, sc = (uintptr_t)t[i]->scales;
+        if (!t[i]->data) continue;    /* up of a fused gate_up */
+        if (d < lo) lo = d;
+        if (d + t[i]->data_bytes > hi) hi = d + t[i]->data_bytes;
+        if (t[i]->scales) {
+            if (sc < lo) lo = sc;
+            if (sc + t[i]->scale_bytes > hi) hi = sc + t[i]->scale_bytes;
+        }
+    }
+    out[0] = lo;
+    out[1] = hi - lo;
+    for (int i = 0; i < 3; i++) {
+        out[2 + i] = t[i]->data ? (uintptr_t)t[i]->data - lo : UINT64_MAX;
+        out[5 + i] = t[i]->scales ? (uintptr_t)t[i]->scales - lo : UINT64_MAX;
     }
     return COLI_OK;
 }

@@ -1,6 +1,7 @@
 /*
  * ls_policy.c: the eviction policies behind the seam (LsPolicy in
- * ls_internal.h). The state machine calls them under the layer mutex.
+ * ls_policy.h), and their names. The state machine calls them under the
+ * layer mutex.
  *
  * LRU. As in SQLite's page cache, "leased" means "not in the set", so the
  * set is one list: a hit unlinks in O(1) and the victim is always the tail,
@@ -64,19 +65,19 @@
  * O(m k); memory is n_entries^2 doubles per layer. docs/policies.md has the
  * study behind it.
  */
-#include "ls_internal.h"
+#include "ls_policy.h"
 
 #include <stdlib.h>
 
-/* The list operations are ls_lru_insert and ls_lru_remove (ls_internal.h),
- * which the state machine inlines for every lru_list policy. */
-static LsSlot *lru_victim(LsLayer *L) {
-    return L->list.prev == &L->list ? NULL : L->list.prev;
-}
+#include "coli_store.h"   /* COLI_POLICY_*, coli_store_policy_name */
+
+/* The list's operations (ls_list_*, ls_policy.h) are the state machine's,
+ * inline: LRU only names the tail. */
+static LsSlot *lru_victim(LsLayer *L) { return ls_list_tail(L); }
 
 const LsPolicy ls_policy_lru = {
     .name = "lru",
-    .lru_list = true,
+    .keeps_list = true,
     .victim = lru_victim,
 };
 
@@ -440,10 +441,17 @@ static void cooc_step(LsLayer *L, const int *experts, int count) {
     p->g = g;
 }
 
+/* The list is the state machine's; cooc marks a slot that joins it cold
+ * (pol_value 1), for the victim search. */
+static void cooc_insert(LsLayer *L, LsSlot *v, bool cold) {
+    (void)L;
+    v->pol_value = cold;
+}
+
 static LsSlot *cooc_victim(LsLayer *L) {
     LsCooc *p = L->pol;
-    LsSlot *v = L->list.prev;
-    if (v == &L->list) return NULL;
+    LsSlot *v = ls_list_tail(L);
+    if (!v) return NULL;
     if (v->pol_value != 0.0) return v;        /* cold: empty or demoted */
     int m = L->n_slots / 2;
     if (m < 2 * p->n_cur) m = 2 * p->n_cur;
@@ -467,7 +475,8 @@ static LsSlot *cooc_victim(LsLayer *L) {
 
 const LsPolicy ls_policy_cooc = {
     .name = "cooc",
-    .lru_list = true,             /* the state machine keeps the list and the cold flag */
+    .keeps_list = true,
+    .insert = cooc_insert,
     .victim = cooc_victim,
     .step = cooc_step,
     .init = cooc_init,
@@ -481,3 +490,9 @@ const LsPolicy *const ls_policies[] = {
     [COLI_POLICY_COOC] = &ls_policy_cooc,
     NULL,
 };
+
+const char *coli_store_policy_name(int policy) {
+    for (int i = 0; ls_policies[i]; i++)
+        if (i == policy) return ls_policies[i]->name;
+    return NULL;
+}

@@ -1,73 +1,25 @@
 /*
- * ls_prefetch.c: prefetch, the I/O workers' jobs and their pacing, and
- * retiring wrong guesses, on top of the slot state machine (ls_slots.h).
+ * ls_prefetch.c: prefetch, the I/O workers' jobs, and retiring wrong
+ * guesses, on top of the slot state machine (ls_slots.h).
  *
  * A prefetch claims the policy's victim (never an unhit prefetch) as a
  * QUEUED slot and posts a job tagged with the slot's generation; a job
- * whose slot moved on is stale and skipped. Prefetch reads go in chunks;
- * before each one the worker stops if the prefetch was retired as a wrong
- * guess, and waits while a demand read is in progress (the demand gate),
- * unless a lookup is waiting for this very load (demanded).
+ * whose slot moved on is stale and skipped. Prefetch reads go in chunks,
+ * paced by the demand gate (ls_wait.c): before each one the worker stops if
+ * the prefetch was retired as a wrong guess, and waits while a demand read
+ * is in progress, unless a lookup is waiting for this very load.
  */
 #define _GNU_SOURCE
-#include "ls_internal.h"
-
-#include <errno.h>
-
-#include "lru_test_hooks.h"
-
-static void gate_wake(LsStore *s) {
-    pthread_mutex_lock(&s->gate_mu);
-    pthread_cond_broadcast(&s->gate_cv);
-    pthread_mutex_unlock(&s->gate_mu);
-}
-
-void ls_demand_begin(LsStore *s) { atomic_fetch_add(&s->demand_reads, 1); }
-
-void ls_demand_end(LsStore *s) {
-    if (atomic_fetch_sub(&s->demand_reads, 1) == 1 && s->demand_first) gate_wake(s);
-}
-
-void ls_demand_join(LsStore *s, LsSlot *v) {
-    if (!atomic_exchange(&v->demanded, true) && s->demand_first) gate_wake(s);
-}
-
-void ls_set_hold(LsStore *s, int hold) {
-    atomic_store(&s->hold_prefetch, hold != 0);
-    if (!hold) gate_wake(s);
-}
+#include "ls_slots.h"
 
 typedef struct {
     LsStore *s;
     LsSlot *v;
 } PrefetchPace;
 
-/* Before each chunk of a prefetch read: stop if it was retired as a wrong
- * guess (and no lookup waits for it); else wait while demand reads run,
- * unless a lookup waits for this very load. The flags are read again under
- * gate_mu, which their writers take before they broadcast, so no wake-up is
- * lost. */
 static bool prefetch_pause(void *ctx) {
     const PrefetchPace *p = ctx;
-    LsStore *s = p->s;
-    if (atomic_load(&s->hold_prefetch)) {
-        pthread_mutex_lock(&s->gate_mu);
-        atomic_fetch_add(&s->held, 1);
-        while (atomic_load(&s->hold_prefetch)) pthread_cond_wait(&s->gate_cv, &s->gate_mu);
-        atomic_fetch_sub(&s->held, 1);
-        pthread_mutex_unlock(&s->gate_mu);
-    }
-    if (atomic_load(&p->v->demanded)) return true;
-    if (atomic_load(&p->v->retired)) return false;
-    if (!s->demand_first || !atomic_load(&s->demand_reads)) return true;
-    atomic_fetch_add(&s->prefetch_pauses, 1);
-    struct timespec deadline;
-    ls_deadline_after(&deadline, LS_PAUSE_LIMIT_NS);
-    pthread_mutex_lock(&s->gate_mu);
-    while (atomic_load(&s->demand_reads) && !atomic_load(&p->v->demanded))
-        if (pthread_cond_timedwait(&s->gate_cv, &s->gate_mu, &deadline) == ETIMEDOUT) break;
-    pthread_mutex_unlock(&s->gate_mu);
-    return !atomic_load(&p->v->retired) || atomic_load(&p->v->demanded);
+    return ls_gate_pause(p->s, p->v);
 }
 
 /* Worker side of a lease_many read: reads the slot unless its batch took
@@ -84,7 +36,7 @@ static void run_batch_read(LsStore *s, LsSlot *v, uint64_t generation) {
     pthread_mutex_unlock(&L->mu);
     uint64_t nread = 0;
     ls_demand_begin(s);
-    int rc = coli_read_expert(&s->files, plan, v->mem, &s->fault, NULL, &nread, v->batch_err,
+    int rc = coli_read_expert(&s->files, plan, v->mem, NULL, &nread, v->batch_err,
                               sizeof v->batch_err);
     ls_demand_end(s);
     pthread_mutex_lock(&L->mu);
@@ -161,15 +113,15 @@ void ls_run_job(void *ctx, ColiJob job) {
     char err[LS_ERRLEN];
     PrefetchPace pace = {s, v};
     ColiReadPacer pacer = {s->prefetch_chunk, prefetch_pause, &pace};
-    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &s->fault, &pacer, &nread, err, sizeof err);
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &pacer, &nread, err, sizeof err);
     pthread_mutex_lock(&L->mu);
     ls_slot_finish_load(s, L, v, rc, nread, 0);
     pthread_mutex_unlock(&L->mu);
 }
 
 int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count) {
-    LsStore *s = ls_store_of(store);
-    if (!s || !keys || count <= 0 || s->pool.n_threads == 0 || !ls_call_enter(s, &s->prefetch_calls))
+    LsStore *s = store->state;   /* reached through ls_ops: a store of ours */
+    if (!keys || count <= 0 || s->pool.n_threads == 0 || !ls_call_enter(s, &s->prefetch_calls))
         return 0;
     int accepted = 0;
     for (int i = 0; i < count; i++) {
@@ -178,16 +130,14 @@ int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count)
         if (!e) continue;
         pthread_mutex_lock(&L->mu);
         LsSlot *v = L->slot_of[keys[i].expert] ? NULL : ls_victim(L);
-        /* An unhit prefetch at the LRU end means only unhit prefetches are
+        /* An unhit prefetch as the victim means only unhit prefetches are
          * left to evict: taking one would let a batch undo itself. */
         if (v && v->prefetched) v = NULL;
         /* Post with the generation repurpose is about to give the slot; a
          * worker that pops it first blocks on L->mu until we are done. */
         uint64_t generation = v ? ls_next_generation(s) : 0;
         if (v && coli_pool_post(&s->pool, (ColiJob){v, generation}, false)) {
-            ls_slot_repurpose(s, L, v, e, keys[i].expert, LS_QUEUED, generation);
-            if (L->policy->assign) L->policy->assign(L, v, -1);
-            L->c.prefetched++;
+            ls_slot_queue_prefetch(s, L, v, e, keys[i].expert, generation);
             accepted++;
         }
         pthread_mutex_unlock(&L->mu);
@@ -196,10 +146,8 @@ int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count)
     return accepted;
 }
 
-int coli_lru_retire_prefetches(ColiExpertStore *store, int layer, const int *keep, int n_keep) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
-    if (!L || n_keep < 0 || (n_keep > 0 && !keep)) return 0;
+int ls_retire_prefetches(LsStore *s, LsLayer *L, const int *keep, int n_keep) {
+    if (n_keep < 0 || (n_keep > 0 && !keep)) return 0;
     int retired = 0;
     pthread_mutex_lock(&L->mu);
     for (int j = 0; j < L->n_slots; j++) {
@@ -220,19 +168,4 @@ int coli_lru_retire_prefetches(ColiExpertStore *store, int layer, const int *kee
     }
     pthread_mutex_unlock(&L->mu);
     return retired;
-}
-
-uint64_t coli_lru_prefetch_pauses(ColiExpertStore *store) {
-    LsStore *s = ls_store_of(store);
-    return s ? atomic_load(&s->prefetch_pauses) : 0;
-}
-
-void coli_lru_hold_prefetch_reads(ColiExpertStore *store, int hold) {
-    LsStore *s = ls_store_of(store);
-    if (s) ls_set_hold(s, hold);
-}
-
-int coli_lru_held_prefetch_reads(ColiExpertStore *store) {
-    LsStore *s = ls_store_of(store);
-    return s ? (int)atomic_load(&s->held) : 0;
 }

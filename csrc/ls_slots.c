@@ -4,7 +4,7 @@
  * mutex; none reads a file or waits.
  */
 #define _GNU_SOURCE
-#include "ls_internal.h"
+#include "ls_slots.h"
 
 static void inflight_up(LsStore *s) {
     uint64_t now = atomic_fetch_add(&s->inflight, 1) + 1;
@@ -73,6 +73,13 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
     if (st == LS_QUEUED) L->queued++;
     L->c.loads_started++;
     inflight_up(s);
+}
+
+void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
+                            uint64_t generation) {
+    ls_slot_repurpose(s, L, v, e, expert, LS_QUEUED, generation);
+    if (L->policy->assign) L->policy->assign(L, v, -1);
+    L->c.prefetched++;
 }
 
 void ls_slot_begin_read(LsLayer *L, LsSlot *v) {

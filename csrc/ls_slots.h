@@ -1,5 +1,5 @@
 /*
- * ls_slots.h (private): the slot state machine of the LRU store.
+ * ls_slots.h (private): the slot state machine of the store.
  *
  * Each MoE layer owns a fixed array of slots carved from one page-aligned
  * arena. A slot is in one of four states, and only the transitions below
@@ -7,7 +7,7 @@
  * slot's state, expert, generation, leases or membership of the evictable
  * set; every other file calls them.
  *
- *                 repurpose (a prefetch)
+ *                 queue_prefetch (a prefetch)
  *         +--------------------------------------> QUEUED
  *         |    +------------ empty ------------------+  |
  *         |    v                                        |  begin_read (a worker), or
@@ -20,27 +20,28 @@
  *      An unleased RESIDENT slot is taken by claim        RESIDENT   lease, unlease,
  *      and repurpose like an EMPTY one (an eviction).                demote
  *
- *   transition   from                              to
- *   repurpose    EMPTY, or RESIDENT unleased       QUEUED (prefetch) or READING
- *                (an eviction, counted)            (a demand miss), new generation
- *   claim        its own QUEUED prefetch           READING (taken over), else as
- *                                                  repurpose (victim or queued slot)
- *   begin_read   QUEUED                            READING (a worker starts it)
- *   finish_load  READING                           RESIDENT with n leases, or EMPTY
- *   empty        QUEUED                            EMPTY (cancelled), new generation
- *   lease        RESIDENT                          RESIDENT, one lease more (a hit)
- *   unlease      RESIDENT leased                   RESIDENT, one lease fewer
- *   demote       RESIDENT unleased, unhit prefetch RESIDENT, evicted first
- *   preload      EMPTY (at create)                 QUEUED: a pin (never evictable) or a warm expert
+ *   transition      from                              to
+ *   repurpose       EMPTY, or RESIDENT unleased       QUEUED (prefetch) or READING
+ *                   (an eviction, counted)            (a demand miss), new generation
+ *   queue_prefetch  as repurpose                      QUEUED, for a posted prefetch job
+ *   claim           its own QUEUED prefetch           READING (taken over), else as
+ *                                                     repurpose (victim or queued slot)
+ *   begin_read      QUEUED                            READING (a worker starts it)
+ *   finish_load     READING                           RESIDENT with n leases, or EMPTY
+ *   empty           QUEUED                            EMPTY (cancelled), new generation
+ *   lease           RESIDENT                          RESIDENT, one lease more (a hit)
+ *   unlease         RESIDENT leased                   RESIDENT, one lease fewer
+ *   demote          RESIDENT unleased, unhit prefetch RESIDENT, evicted first
+ *   preload         EMPTY (at create)                 QUEUED: a pin (never evictable) or a warm expert
  *
  * A pinned slot goes QUEUED -> READING -> RESIDENT like a prefetch and then
  * stays: lease and unlease never put it in the evictable set. A failed
  * load unpins it (finish_load: EMPTY, an ordinary slot).
  *
  * A slot is in its layer's evictable set iff it is EMPTY, or RESIDENT with
- * zero leases and not pinned. The set is the policy's (ls_internal.h, the seam): "leased"
- * means "not in the set", so a hit leaves it in O(1) and the victim is the
- * policy's choice (for LRU the tail of a list, also O(1)).
+ * zero leases and not pinned. The set is the policy's (ls_policy.h, the
+ * seam): "leased" means "not in the set", so a hit leaves it in O(1) and the
+ * victim is the policy's choice (for LRU the tail of a list, also O(1)).
  *
  *   one slot:   +-------------------------------------------------+
  *               | expert's runs, as read: gate | up | down (+scales)|
@@ -57,26 +58,25 @@
 #ifndef COLI_LS_SLOTS_H
 #define COLI_LS_SLOTS_H
 
-/* Included at the end of ls_internal.h, which defines the types. */
+#include "ls_internal.h"
+#include "ls_policy.h"
 
-/* v joins the evictable set (hot end, or cold: evicted first). LRU, the
- * default, is called directly (inlined) rather than through the table. */
+/* v joins the evictable set (hot end, or cold: evicted first). */
 static inline void ls_set_insert(LsLayer *L, LsSlot *v, bool cold) {
+    const LsPolicy *p = L->policy;
     assert(!v->evictable);
-    if (L->policy->lru_list) {
-        ls_lru_insert(L, v, cold);
-        v->pol_value = cold;      /* cooc tells the cold slots at the list's end by it */
-    } else {
-        L->policy->insert(L, v, cold);
-    }
+    if (p->keeps_list) ls_list_insert(L, v, cold);
+    if (p->insert) p->insert(L, v, cold);
     v->evictable = true;
     L->evictable++;
 }
 
+/* v leaves the evictable set. */
 static inline void ls_set_remove(LsLayer *L, LsSlot *v) {
+    const LsPolicy *p = L->policy;
     assert(v->evictable);
-    if (L->policy->lru_list) ls_lru_remove(v);
-    else L->policy->remove(L, v);
+    if (p->keeps_list) ls_list_remove(v);
+    if (p->remove) p->remove(L, v);
     v->evictable = false;
     L->evictable--;
 }
@@ -89,10 +89,7 @@ static inline void ls_tick(LsLayer *L, const int *experts, int count) {
 }
 
 /* The slot an eviction would take now, or NULL. */
-static inline LsSlot *ls_victim(LsLayer *L) {
-    if (L->policy == &ls_policy_lru) return L->list.prev == &L->list ? NULL : L->list.prev;
-    return L->policy->victim(L);
-}
+static inline LsSlot *ls_victim(LsLayer *L) { return L->policy->victim(L); }
 
 /* Copies slot v's view and its lease into view. */
 static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
@@ -104,7 +101,7 @@ static inline void ls_fill_view(ColiExpertView *view, const LsSlot *v) {
 /* lease: a hit. Takes a lease on resident slot v and counts it; rank is
  * the expert's place in the request (for the policy). */
 static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view, int rank) {
-    if (L->policy != &ls_policy_lru && L->policy->hit) L->policy->hit(L, v, rank);
+    if (L->policy->hit) L->policy->hit(L, v, rank);
     if (v->evictable) ls_set_remove(L, v);
     v->leases++;
     L->leases++;
@@ -149,6 +146,12 @@ static inline bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) 
  * builds the view its leases will copy. */
 void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
                        LsSlotState st, uint64_t generation);
+
+/* queue_prefetch: gives evictable slot v to entry e's expert for a prefetch
+ * whose job the caller posted with this generation (QUEUED, counted as
+ * prefetched; the policy hears of it). */
+void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
+                            uint64_t generation);
 
 /* claim: gives a demand miss of entry e's expert (neither resident nor
  * being read) a slot to read it into, marked READING: its own queued

@@ -25,7 +25,7 @@
 #include <string.h>
 #include <structmember.h>
 
-#include "lru_store.h"
+#include "coli_store.h"
 
 /* The arrays of one slot tenancy (an expert loaded into a slot), shared by
  * every lease of it; built by colibri._tenancy.TenancyBuilder. */
@@ -107,8 +107,8 @@ static PyObject *tenancy_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KO!O!O:Tenancy", names, &generation,
                                      &PyTuple_Type, &arrays, &PyList_Type, &chain, &pin))
         return NULL;
-    if (PyTuple_GET_SIZE(arrays) < 6) {
-        PyErr_SetString(PyExc_ValueError, "Tenancy: arrays must hold at least 6 entries");
+    if (PyTuple_GET_SIZE(arrays) < COLI_ROLE_PARTS) {
+        PyErr_Format(PyExc_ValueError, "Tenancy: arrays must hold at least %d entries", (int)COLI_ROLE_PARTS);
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(chain);
@@ -668,8 +668,10 @@ static PyObject *lease_end_c_lease(Lease *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+_Static_assert(COLI_VIEW_LAYOUT_LEN == 8, "lease_layout builds a tuple of 8");
+
 static PyObject *lease_layout(Lease *self, PyObject *Py_UNUSED(ignored)) {
-    uint64_t out[8];
+    uint64_t out[COLI_VIEW_LAYOUT_LEN];
     if (!self->leaser || self->leaser->api->view_layout(&self->view, out) != COLI_OK) {
         PyErr_Format(PyExc_RuntimeError, "layer %d expert %d: the lease holds no C lease",
                      self->layer, self->expert);

@@ -1,9 +1,8 @@
 /*
  * tensor.h: a non-owning view of one weight tensor in memory.
  *
- * ABI-compatible with colibri's tensor.h: the enum values and the field order
- * of ColiTensorView must not change. Formats this package adds are appended
- * after COLI_TENSOR_INT4_BLOCK so the original values keep their numbers.
+ * ABI: the enum values and the field order of ColiTensorView never change;
+ * a new format or scale format is appended with the next number.
  *
  * This header is fed to cffi's cdef after '#' lines are stripped, so it holds
  * only declarations cdef can parse.
@@ -14,9 +13,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* What the formats mean here. rows x columns counts elements, whatever the
- * packing. The expert store accepts only the formats it has a producer for;
- * Q8_ROW, Q4_ROW, Q2_ROW and INT8_BLOCK keep their numbers but are refused.
+/* What the formats mean. rows x columns counts elements, whatever the
+ * packing. The expert store accepts only the formats a checkpoint maps to;
+ * Q8_ROW, Q4_ROW, Q2_ROW and INT8_BLOCK keep their numbers but are refused
+ * (the core's format table, coli_formats.c, says so for each value).
  *
  *   F32, F16, BF16, F8_*   plain row-major elements, no scales.
  *   FP8_E4M3_BLOCK         e4m3 elements; F32 scales, one per block_rows x
@@ -29,7 +29,7 @@
  *                          pack-quantized words, little-endian); F32, BF16 or
  *                          F16 scales, one per 1 x group block. Zero points,
  *                          when the checkpoint has them, are an extra part of
- *                          the expert (see lru_store.h).
+ *                          the expert (see coli_sources.h).
  *   INT4_GPTQ              GPTQ: the matrix is stored (in, out); unsigned
  *                          4-bit values, eight per little-endian int32 down
  *                          each column (input row 8k + j in bits 4j..4j+3),
@@ -52,7 +52,7 @@ typedef enum {
     COLI_TENSOR_FP4_NATIVE_BLOCK = 5,
     COLI_TENSOR_INT8_BLOCK = 6,     /* refused */
     COLI_TENSOR_INT4_BLOCK = 7,
-    /* Appended by this package: plain element types as safetensors stores them. */
+    /* Plain element types as safetensors stores them. */
     COLI_TENSOR_F16 = 8,
     COLI_TENSOR_BF16 = 9,
     COLI_TENSOR_F8_E4M3 = 10,   /* fp8 without block scales */
@@ -65,7 +65,6 @@ typedef enum {
     COLI_SCALE_NONE = 0,
     COLI_SCALE_F32 = 1,
     COLI_SCALE_UE8M0 = 2,       /* one byte: the scale is 2^(byte - 127) */
-    /* Appended by this package. */
     COLI_SCALE_BF16 = 3,
     COLI_SCALE_F16 = 4
 } ColiScaleFormat;

@@ -13,6 +13,9 @@ own ``tmp_path`` (see ``fresh_model``).
 The helpers below are plain functions too, importable as ``from conftest
 import ...`` (this directory is put on ``sys.path`` so that works under every
 pytest import mode).
+
+The suite runs against the test build of the C core (tests/core_control.py),
+installed here before anything imports colibri.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import core_control  # noqa: E402
+
+core_control.install()  # before colibri is imported: every store is the test build's
 
 from colibri.synthetic import SyntheticModel, write_synthetic_model  # noqa: E402
 
@@ -92,7 +99,7 @@ def assert_lease_parts_equal_safetensors(path: Path, *, prefetch_workers: int = 
     what safetensors loads: shape, dtype, bytes, read-only. Returns the number
     of parts checked."""
     import colibri
-    from colibri.layouts import scan_model
+    from colibri.checkpoint.scan import scan_model
 
     tensors = load_safetensors(path)
     model = scan_model(path)

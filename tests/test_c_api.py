@@ -1,7 +1,7 @@
-"""The C lease contract (csrc/expert_store.h, csrc/lru_store.h) through cffi.
+"""The C lease contract (csrc/expert_store.h, csrc/coli_store.h) through cffi.
 
 These tests drive ``coli_expert_lookup`` / ``coli_expert_release`` and the
-``coli_lru_*`` functions directly on the store's ``ColiExpertStore *``:
+``coli_store_*`` functions directly on the store's ``ColiExpertStore *``:
 zeroed views, double releases, failed lookups, NULL stores, stale generations
 after a slot was repurposed, lookups into a view that still holds a lease,
 out-of-range keys, and that the stats struct maps onto StoreStats field for
@@ -13,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import colibri
 from colibri._ffi import ffi, lib
 from conftest import ROLES, expected_experts
+import core_control  # the test build's control
 
 VIEW_SIZE = ffi.sizeof("ColiExpertView")
 STATS_FIELDS = (
@@ -46,7 +49,7 @@ def tensor_bytes(t) -> bytes:
 
 
 def active(store) -> int:
-    return int(lib.coli_lru_active_leases(store._handle))
+    return int(lib.coli_store_active_leases(store._handle))
 
 
 def assert_view_matches(view, want, layer, expert, model):
@@ -215,7 +218,7 @@ def test_out_of_range_keys_are_not_found(store, layer, expert):
     assert lib.coli_expert_lookup(store._handle, key(layer, expert), view) == lib.COLI_ENOTFOUND == -2
     assert is_zeroed(view)
     err = ffi.new("char[]", lib.COLI_ERR_LEN)
-    assert lib.coli_lru_lookup(store._handle, layer, expert, view, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
+    assert lib.coli_store_lookup(store._handle, layer, expert, view, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
     message = ffi.string(err).decode()
     assert str(layer) in message
     assert is_zeroed(view)
@@ -229,13 +232,13 @@ def test_lookup_many_failure_zeroes_every_view(small_model):
         views = ffi.new("ColiExpertView[]", 3)
         err = ffi.new("char[]", lib.COLI_ERR_LEN)
         ids = ffi.new("int[]", [0, 1, 42])
-        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
+        assert lib.coli_store_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == lib.COLI_ENOTFOUND
         assert "42" in ffi.string(err).decode()
         for i in range(3):
             assert is_zeroed(views + i)
         assert active(store) == 0
         ids = ffi.new("int[]", [0, 1, 2])
-        assert lib.coli_lru_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == 0
+        assert lib.coli_store_lookup_many(store._handle, 2, ids, 3, views, err, lib.COLI_ERR_LEN) == 0
         assert active(store) == 3
         for i in range(3):
             assert views[i].key.expert == i
@@ -262,11 +265,11 @@ def test_layer_slots_and_slot_bytes(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=3) as store:
         h = store._handle
         for layer in small_model.layers:
-            assert lib.coli_lru_layer_slots(h, layer) == 3
-            assert lib.coli_lru_slot_bytes(h, layer) >= small_model.expert_nbytes
+            assert lib.coli_store_layer_slots(h, layer) == 3
+            assert core_control.slot_bytes(h, layer) >= small_model.expert_nbytes
         for layer in (0, -1, 99):  # no experts there
-            assert lib.coli_lru_layer_slots(h, layer) == 0
-            assert lib.coli_lru_slot_bytes(h, layer) == 0
+            assert lib.coli_store_layer_slots(h, layer) == 0
+            assert core_control.slot_bytes(h, layer) == 0
 
 
 def test_prefetch_op_without_workers_accepts_nothing(store):
@@ -278,30 +281,86 @@ def test_prefetch_op_without_workers_accepts_nothing(store):
 
 
 def test_lookup_resident_takes_hits_only_and_changes_nothing_else(store, small_model):
-    """coli_lru_lookup_resident: the hit of coli_lru_lookup, counted alike;
+    """coli_store_lookup_resident: the hit of coli_store_lookup, counted alike;
     anything else is COLI_EAGAIN with a zeroed view and nothing counted."""
     want = expected_experts(small_model)
     view = new_view()
     before = store.stats()
     for layer, expert in [(1, 2), (0, 0), (1, 99), (-1, 0), (99, 0)]:   # missing, unknown
-        assert lib.coli_lru_lookup_resident(store._handle, layer, expert, view) == lib.COLI_EAGAIN
+        assert lib.coli_store_lookup_resident(store._handle, layer, expert, view) == lib.COLI_EAGAIN
         assert is_zeroed(view)
-    assert lib.coli_lru_lookup_resident(ffi.NULL, 1, 2, view) == lib.COLI_EAGAIN
+    assert lib.coli_store_lookup_resident(ffi.NULL, 1, 2, view) == lib.COLI_EAGAIN
     assert store.stats() == before and active(store) == 0
 
-    assert lib.coli_lru_lookup(store._handle, 1, 2, view, ffi.NULL, 0) == 0   # a miss loads it
+    assert lib.coli_store_lookup(store._handle, 1, 2, view, ffi.NULL, 0) == 0   # a miss loads it
     lib.coli_expert_release(store._handle, view)
     loaded = store.stats()
-    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, view) == 0       # now a hit
+    assert lib.coli_store_lookup_resident(store._handle, 1, 2, view) == 0       # now a hit
     assert_view_matches(view, want[(1, 2)], 1, 2, small_model)
     after = store.stats()
     assert (after.requests, after.hits, after.misses) == (loaded.requests + 1, loaded.hits + 1, loaded.misses)
     assert after.bytes_read == loaded.bytes_read
     held = new_view()
-    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, held) == 0       # a second lease of it
+    assert lib.coli_store_lookup_resident(store._handle, 1, 2, held) == 0       # a second lease of it
     lib.coli_expert_release(store._handle, held)
     lib.coli_expert_release(store._handle, view)
 
     store.close()
-    assert lib.coli_lru_lookup_resident(store._handle, 1, 2, view) == lib.COLI_EAGAIN   # closed
+    assert lib.coli_store_lookup_resident(store._handle, 1, 2, view) == lib.COLI_EAGAIN   # closed
     assert is_zeroed(view)
+
+
+def _plan_config(model_factory, **options):
+    from colibri.layouts import scan_model
+    from colibri.store import StoreOptions, _Config
+
+    model = model_factory(n_layers=3, n_experts=9, hidden=40, intermediate=56, dtype="float16")
+    base = dict(slots_per_layer=None, capacity_bytes=None, prefetch_workers=0, direct_io=False,
+                slot_wait_timeout=1.0)
+    return _Config(scan_model(model.path), StoreOptions(**{**base, **options}))
+
+
+@given(per_layer=st.integers(1, 160_000), direct=st.booleans(), slots=st.none() | st.integers(1, 12))
+@settings(max_examples=40, deadline=None)
+def test_plan_slots_are_the_slots_create_gives(model_factory, per_layer, direct, slots):
+    """coli_store_plan_slots gives each layer the slots coli_store_create gives
+    it, for any budget (an expert of 13,440 bytes takes a 16 KiB slot)."""
+    config = _plan_config(model_factory, capacity_bytes=None if slots else 3 * per_layer,
+                          slots_per_layer=slots, direct_io=direct)
+    try:
+        planned = config.layer_slots()
+    except colibri.FormatError as exc:
+        with pytest.raises(colibri.FormatError, match="too small"):
+            config.create()
+        assert "too small" in str(exc)
+        return
+    handle = config.create()   # destroyed when collected
+    assert planned == {layer: int(lib.coli_store_layer_slots(handle, layer)) for layer in planned}
+
+
+def test_plan_slots_opens_no_file(model_factory, tmp_path):
+    config = _plan_config(model_factory, capacity_bytes=3 * 10 * 13_440)
+    gone = ffi.new("char[]", str(tmp_path / "missing.safetensors").encode())
+    files = ffi.new("const char *[]", [gone] * config.cfg.n_files)
+    config.cfg.files = files   # both stay alive as locals
+    assert set(config.layer_slots().values()) == {8}   # ten experts' bytes, eight 16 KiB slots
+    with pytest.raises(colibri.ColibriError, match="missing.safetensors"):
+        config.create()
+
+
+def test_plan_slots_refuses_what_create_refuses():
+    err = ffi.new("char[]", lib.COLI_ERR_LEN)
+    out = ffi.new("uint32_t[]", 4)
+    assert lib.coli_store_plan_slots(ffi.NULL, out, 4, err, lib.COLI_ERR_LEN) == lib.COLI_EINVAL
+    cfg = ffi.new("ColiStoreConfig *")
+    assert lib.coli_store_plan_slots(cfg, out, 4, err, lib.COLI_ERR_LEN) == lib.COLI_ECONFIG
+    assert b"no experts" in ffi.string(err)
+    src = ffi.new("ColiExpertSource[]", 2)
+    src[0].layer, src[0].expert, src[1].layer, src[1].expert = 0, 0, 5, 1
+    cfg.experts, cfg.n_experts, cfg.slots_per_layer = src, 2, 4
+    cfg.replay, cfg.replay_expert_bytes = 1, 5000
+    assert lib.coli_store_plan_slots(cfg, out, 4, err, lib.COLI_ERR_LEN) == 2   # layers 0 and 5
+    assert list(out)[:2] == [1, 1]   # capped at their experts: one each
+    cfg.replay = 0   # replay_expert_bytes is for a replay store only
+    assert lib.coli_store_plan_slots(cfg, out, 4, err, lib.COLI_ERR_LEN) == lib.COLI_ECONFIG
+    assert b"replay_expert_bytes" in ffi.string(err)

@@ -88,9 +88,9 @@ def make_machine(model):
             copy = self.stale.pop(i % len(self.stale))
             same = [v for v in self.held
                     if v.lease == copy.lease and v.lease_generation == copy.lease_generation]
-            before = int(lib.coli_lru_active_leases(self.handle))
+            before = int(lib.coli_store_active_leases(self.handle))
             lib.coli_expert_release(self.handle, copy)
-            after = int(lib.coli_lru_active_leases(self.handle))
+            after = int(lib.coli_store_active_leases(self.handle))
             if not same:
                 assert after == before                          # rule 4: stale release ignored
             else:
@@ -119,7 +119,7 @@ def make_machine(model):
         @invariant()
         def leases_match_the_model(self) -> None:
             if self.store is not None:
-                assert int(lib.coli_lru_active_leases(self.handle)) == len(self.held)
+                assert int(lib.coli_store_active_leases(self.handle)) == len(self.held)
 
         @invariant()
         def held_bytes_are_the_files(self) -> None:
@@ -139,7 +139,7 @@ def make_machine(model):
             # now stale (or drops nothing, the lease count being 0).
             for view in getattr(self, "lost", []):
                 lib.coli_expert_release(self.handle, view)
-            assert int(lib.coli_lru_active_leases(self.handle)) == 0
+            assert int(lib.coli_store_active_leases(self.handle)) == 0
             self.store.close()
 
     return CApiMachine

@@ -19,18 +19,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 import build_ffi_loader  # noqa: E402,F401  (puts the project root on sys.path)
-from build_ffi import SOURCES as CORE  # noqa: E402  (the core's sources, as the extension has them)
+from build_ffi import LIBRARIES, SOURCES as CORE, TEST_DEFINE, TEST_SOURCES  # noqa: E402  (as the test build has them)
 
-SOURCES = [ROOT / "tests" / "c" / "stress_store.c", *(CSRC / name for name in CORE)]
+# A test build of the core: the product's sources, the test control and its define.
+SOURCES = [ROOT / "tests" / "c" / "stress_store.c", *(CSRC / name for name in CORE + TEST_SOURCES)]
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
 
 def _build(tmp: Path, sanitize: str) -> Path:
     exe = tmp / f"stress_{sanitize.replace(',', '_')}"
-    cmd = ["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-g", "-O1", "-fno-omit-frame-pointer",
+    cmd = ["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", f"-D{TEST_DEFINE}", "-g", "-O1", "-fno-omit-frame-pointer",
            f"-fsanitize={sanitize}", "-fno-sanitize-recover=all", f"-I{CSRC}",
-           *map(str, SOURCES), "-o", str(exe), "-lpthread"]
+           *map(str, SOURCES), "-o", str(exe), *(f"-l{lib}" for lib in LIBRARIES)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return exe
 
@@ -58,8 +59,8 @@ def test_stress_under_sanitizer(tmp_path: Path, sanitize: str) -> None:
 def test_destroy_with_a_lease_held_asserts(tmp_path: Path) -> None:
     """Contract rule 5: a build with assertions aborts on destroy with leases."""
     exe = tmp_path / "stress_assert"
-    subprocess.run(["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-g", "-O0", "-UNDEBUG", f"-I{CSRC}",
-                    *map(str, SOURCES), "-o", str(exe), "-lpthread"], check=True, capture_output=True)
+    subprocess.run(["gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", f"-D{TEST_DEFINE}", "-g", "-O0", "-UNDEBUG", f"-I{CSRC}",
+                    *map(str, SOURCES), "-o", str(exe), *(f"-l{lib}" for lib in LIBRARIES)], check=True, capture_output=True)
     proc = subprocess.run([str(exe), str(tmp_path), "destroy-leased"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode < 0, proc.stdout + proc.stderr  # killed by SIGABRT

@@ -10,16 +10,18 @@ import ml_dtypes
 import numpy as np
 
 import colibri
-from colibri import _dtypes, errors, store
+from colibri import errors, store
+from colibri.checkpoint import dtypes as _dtypes
 from colibri._ffi import ffi, lib
-from colibri.layouts import ROLES
+from colibri.checkpoint.experts import ROLES
+from colibri.formats import FORMATS
 
 
 def _names(prefix: str) -> dict[str, int]:
     return {n: getattr(lib, n) for n in dir(lib) if n.startswith(prefix)}
 
 
-# What each C error code becomes. A code added to csrc/lru_store.h without a
+# What each C error code becomes. A code added to csrc/coli_errors.h without a
 # decision here fails test_every_error_code_has_a_class.
 EXPECTED_CLASS = {
     "COLI_EINVAL": colibri.ColibriError,
@@ -49,19 +51,19 @@ def test_every_error_code_has_a_class() -> None:
     assert set(errors._BY_CODE) <= set(codes.values())
 
 
-def test_dtype_codes_are_the_librarys() -> None:
-    formats = _names("COLI_TENSOR_")
-    for name, dt in _dtypes.DTYPES.items():
-        if dt.coli_format is not None:
-            assert dt.coli_format == formats[f"COLI_TENSOR_{name}"], name
-    assert _dtypes.coli_format("F8_E4M3", True) == lib.COLI_TENSOR_FP8_E4M3_BLOCK
-    copies = [n for n in dir(_dtypes) if n.startswith("COLI_")]
-    assert {"COLI_TENSOR_F32", "COLI_TENSOR_BF16", "COLI_SCALE_NONE", "COLI_SCALE_F32"} <= set(copies)
-    for name in copies:
-        assert getattr(_dtypes, name) == getattr(lib, name), name
+def test_format_codes_are_the_librarys() -> None:
+    tensor, scale = _names("COLI_TENSOR_"), _names("COLI_SCALE_")
+    for fmt in FORMATS.values():
+        assert set(fmt.coli_formats.values()) <= set(tensor.values()), fmt.name
+        assert set(fmt.scale_formats.values()) <= set(scale.values()), fmt.name
+    for name, code in FORMATS["plain"].coli_formats.items():
+        assert code == tensor[f"COLI_TENSOR_{name}"], name
+    assert FORMATS["fp8_block"].coli_format("F8_E4M3") == lib.COLI_TENSOR_FP8_E4M3_BLOCK
+    assert FORMATS["int4"].coli_format("I32") == lib.COLI_TENSOR_INT4_BLOCK
+    assert FORMATS["mxfp4"].coli_scale_format("U8") == lib.COLI_SCALE_UE8M0
     # the numpy type of each expert dtype has the width the C core reads
     widths = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
-    assert {n for n, d in _dtypes.DTYPES.items() if d.expert_usable} == set(widths)
+    assert set(FORMATS["plain"].coli_formats) == set(widths)
     for name, width in widths.items():
         assert _dtypes.DTYPES[name].numpy is not None
         assert _dtypes.DTYPES[name].numpy.itemsize == width == _dtypes.DTYPES[name].itemsize
@@ -89,7 +91,7 @@ def test_limits_are_the_librarys() -> None:
     assert store._INT_MAX == 2 ** (8 * ffi.sizeof("int") - 1) - 1
     assert store._U64_MAX == 2 ** (8 * ffi.sizeof("uint64_t")) - 1
     for field in ("prefetch_chunk_bytes", "read_chunk_bytes"):
-        assert dict(ffi.typeof("ColiLruConfig").fields)[field].type.cname == "uint64_t", field
+        assert dict(ffi.typeof("ColiStoreConfig").fields)[field].type.cname == "uint64_t", field
     key = ffi.typeof("ColiExpertKey")
     assert [(n, f.type.cname) for n, f in key.fields] == [("layer", "int"), ("expert", "int")]
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
-from colibri.layouts import scan_model
+from colibri.checkpoint.scan import scan_model
 from conftest import assert_lease_parts_equal_safetensors, load_safetensors
 
 torch = pytest.importorskip("torch")
@@ -35,6 +35,8 @@ from compressed_tensors.compressors.pack_quantized.base import (  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
+
+import core_control  # noqa: E402  (the test build's control)
 
 HIDDEN, INTER, EXPERTS, LAYERS = 64, 32, 4, 2
 
@@ -504,14 +506,14 @@ def test_refused_c_formats(tmp_path: Path) -> None:
         for role in ("gate", "up", "down"):
             t = getattr(src, role)
             t.file, t.offset, t.nbytes, t.format, t.rows, t.columns = 0, offset, 32, fmt, 4, 8
-        cfg = ffi.new("ColiLruConfig *")
+        cfg = ffi.new("ColiStoreConfig *")
         name = ffi.new("char[]", str(path).encode())
         files = ffi.new("const char *[]", [name])
         cfg.files, cfg.n_files, cfg.experts, cfg.n_experts = files, 1, src, 1
         cfg.slots_per_layer = 1
         out = ffi.new("ColiExpertStore **")
         err = ffi.new("char[]", 256)
-        assert lib.coli_lru_store_create(cfg, out, err, 256) == lib.COLI_ECONFIG
+        assert lib.coli_store_create(cfg, out, err, 256) == lib.COLI_ECONFIG
         assert b"not supported" in ffi.string(err)
 
 
@@ -551,7 +553,7 @@ def test_ranges_a_few_bytes_apart_are_one_read(tmp_path: Path) -> None:
     gaps = [b[0] - a[1] for a, b in zip(ranges, ranges[1:])]
     assert max(gaps) > 0  # the parts do not touch
     with colibri.open_store(tmp_path, slots_per_layer=2, prefetch_workers=0) as store:
-        store._inject_read_fault(2, errno.EIO)  # the second read from now fails
+        core_control.inject_read_fault(store, 2, errno.EIO)  # the second read from now fails
         with store.lease(0, 0) as lease:  # one read
             assert float(lease.gate[0, 0]) == 0.0
         with pytest.raises(colibri.ExpertLoadError):
@@ -561,7 +563,7 @@ def test_ranges_a_few_bytes_apart_are_one_read(tmp_path: Path) -> None:
 def test_mxfp4_extreme_scales_equal_transformers() -> None:
     """Scale bytes 0 (2**-127, subnormal) and 255 (past float32) decode as
     transformers' convert_moe_packed_tensors does."""
-    from colibri.dequant import mxfp4_to_float
+    from colibri.formats.mxfp4 import mxfp4_to_float
 
     rng = np.random.default_rng(11)
     blocks = rng.integers(0, 256, (2, 6, 3, 16), dtype=np.uint8)
@@ -591,7 +593,7 @@ def test_parts_kept_past_the_lease_keep_it(gpt_oss_mxfp4: Path) -> None:
 
 
 def test_expert_parts_offsets(gpt_oss_mxfp4: Path) -> None:
-    """coli_lru_expert_parts: 6 + extra parts, UINT64_MAX for absent ones,
+    """coli_store_expert_parts: 6 + extra parts, UINT64_MAX for absent ones,
     at most cap written, ENOTFOUND for an unknown key."""
     from colibri._ffi import ffi, lib
 
@@ -599,16 +601,16 @@ def test_expert_parts_offsets(gpt_oss_mxfp4: Path) -> None:
     with colibri.open_store(gpt_oss_mxfp4, slots_per_layer=1) as store:
         handle = store._handle
         out = ffi.new("uint64_t[]", [7] * 10)
-        assert lib.coli_lru_expert_parts(handle, 0, 2, out, 10) == 8
+        assert lib.coli_store_expert_parts(handle, 0, 2, out, 10) == 8
         offsets = list(out[0:8])
         assert offsets[1] == offsets[4] == absent  # up and its scale: fused into gate
         present = [o for o in offsets if o != absent]
         assert len(set(present)) == 6 and out[8] == 7 and out[9] == 7
         short = ffi.new("uint64_t[]", [7] * 3)
-        assert lib.coli_lru_expert_parts(handle, 0, 2, short, 2) == 8
+        assert lib.coli_store_expert_parts(handle, 0, 2, short, 2) == 8
         assert list(short[0:2]) == offsets[:2] and short[2] == 7
-        assert lib.coli_lru_expert_parts(handle, 0, EXPERTS, out, 10) == lib.COLI_ENOTFOUND
-        assert lib.coli_lru_expert_parts(handle, 9, 0, out, 10) == lib.COLI_ENOTFOUND
+        assert lib.coli_store_expert_parts(handle, 0, EXPERTS, out, 10) == lib.COLI_ENOTFOUND
+        assert lib.coli_store_expert_parts(handle, 9, 0, out, 10) == lib.COLI_ENOTFOUND
         # The slot's start plus each offset is where the lease's arrays are.
         with store.lease(0, 2) as ex:
             parts = ex.parts

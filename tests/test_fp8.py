@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
-from colibri.fp8 import dequantize, dequantize_lease
+from colibri.formats.fp8 import fp8_to_float
 
 F8 = ml_dtypes.float8_e4m3fn
 ROLES = ("gate", "up", "down")
@@ -36,6 +36,11 @@ def load_file(path: str) -> dict[str, np.ndarray]:
         parsed = deserialize(fh.read())
     return {name: np.frombuffer(bytes(t["data"]), dtype=_NUMPY[t["dtype"]]).reshape(t["shape"])
             for name, t in parsed}
+
+
+def _gate_up_down(ex) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    weights = colibri.dequantize(ex)
+    return weights["gate"], weights["up"], weights["down"]
 
 
 def reference_dequantize(w: np.ndarray, s: np.ndarray, br: int, bc: int) -> np.ndarray:
@@ -142,7 +147,7 @@ def test_dequantize_lease_matches_the_reference(fp8_model) -> None:
     path, loaded = fp8_model
     with colibri.open_store(path, slots_per_layer=1, prefetch_workers=0) as store:
         with store.lease(2, 3) as ex:
-            got = dequantize_lease(ex)
+            got = _gate_up_down(ex)
         for role, array in zip(ROLES, got):
             name = f"model.layers.2.mlp.experts.3.{PROJ[role]}.weight"
             want = reference_dequantize(loaded[name], loaded[name + "_scale_inv"], 128, 128)
@@ -181,40 +186,40 @@ def test_dequantize_matches_the_definition(rows: int, cols: int, br: int, bc: in
     rng = np.random.default_rng(seed)
     w = fp8_values(rng, (rows, cols))
     s = rng.random((-(-rows // br), -(-cols // bc))).astype(np.float32) * 4
-    got = dequantize(w, s, block=(br, bc))
+    got = fp8_to_float(w, s, block=(br, bc))
     assert got.dtype == np.float32 and got.shape == (rows, cols)
     np.testing.assert_array_equal(got, reference_dequantize(w, s, br, bc))
     # uint8 bytes of the same weight give the same result.
-    np.testing.assert_array_equal(dequantize(w.view(np.uint8), s, block=(br, bc)), got)
+    np.testing.assert_array_equal(fp8_to_float(w.view(np.uint8), s, block=(br, bc)), got)
 
 
 def test_dequantize_default_block_and_inference() -> None:
     rng = np.random.default_rng(0)
     w = fp8_values(rng, (256, 384))
     s = scales_for(rng, (256, 384))
-    np.testing.assert_array_equal(dequantize(w, s), reference_dequantize(w, s, 128, 128))
-    np.testing.assert_array_equal(dequantize(w, s, block=None), dequantize(w, s))
+    np.testing.assert_array_equal(fp8_to_float(w, s), reference_dequantize(w, s, 128, 128))
+    np.testing.assert_array_equal(fp8_to_float(w, s, block=None), fp8_to_float(w, s))
     # block=None infers the block: 128 where it tiles the weight, else the smallest that does
     for shape, scales, edge in [((200, 320), (2, 3), (128, 128)), ((64, 96), (2, 3), (32, 32))]:
         wi, si = fp8_values(rng, shape), rng.uniform(0.5, 2, scales).astype(np.float32)
-        np.testing.assert_array_equal(dequantize(wi, si, block=None), reference_dequantize(wi, si, *edge))
+        np.testing.assert_array_equal(fp8_to_float(wi, si, block=None), reference_dequantize(wi, si, *edge))
     w.flags.writeable = False
-    dequantize(w, s)   # read-only input is fine, and untouched
+    fp8_to_float(w, s)   # read-only input is fine, and untouched
     np.testing.assert_array_equal(w.astype(np.float32), fp8_values(np.random.default_rng(0), (256, 384)).astype(np.float32))
 
 
 def test_dequantize_rejects_bad_input() -> None:
     w = np.zeros((200, 320), F8)
     with pytest.raises(FormatError, match=r"needs scales of shape \[2, 3\]"):
-        dequantize(w, np.ones((1, 3), np.float32))
+        fp8_to_float(w, np.ones((1, 3), np.float32))
     with pytest.raises(FormatError, match="2-D"):
-        dequantize(np.zeros(10, F8), np.ones((1, 1), np.float32))
+        fp8_to_float(np.zeros(10, F8), np.ones((1, 1), np.float32))
     with pytest.raises(FormatError, match="fp8 array"):
-        dequantize(np.zeros((4, 4), np.float32), np.ones((1, 1), np.float32))
+        fp8_to_float(np.zeros((4, 4), np.float32), np.ones((1, 1), np.float32))
     with pytest.raises(FormatError, match="positive"):
-        dequantize(w, np.ones((2, 3), np.float32), block=(0, 128))
+        fp8_to_float(w, np.ones((2, 3), np.float32), block=(0, 128))
     with pytest.raises(FormatError, match="do not tile"):
-        dequantize(np.zeros((10, 10), F8), np.ones((11, 1), np.float32), block=None)
+        fp8_to_float(np.zeros((10, 10), F8), np.ones((11, 1), np.float32), block=None)
 
 
 def test_dequantize_lease_of_unscaled_experts(model_factory) -> None:
@@ -223,7 +228,7 @@ def test_dequantize_lease_of_unscaled_experts(model_factory) -> None:
         layer = store.layers[0]
         with store.lease(layer, 1) as ex:
             want = [getattr(ex, r).astype(np.float32) for r in ROLES]
-            got = dequantize_lease(ex)
+            got = _gate_up_down(ex)
             assert ex.gate_scale is None
         for g, w_ in zip(got, want):
             np.testing.assert_array_equal(g, w_)

@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 import colibri
 from colibri import moe
 from colibri.errors import FormatError
-from colibri.layouts import scan_model
+from colibri.checkpoint.scan import scan_model
 from conftest import assert_lease_parts_equal_safetensors, load_safetensors
 
 torch = pytest.importorskip("torch")
@@ -457,14 +457,14 @@ def test_c_core_checks_the_packed_sizes(tmp_path: Path) -> None:
             # one F16 scale per column (a group of all the input rows), after the words
             t.scale_format, t.scale_file, t.scale_offset = lib.COLI_SCALE_F16, 0, offset + 256 + 64 * r
             t.scale_nbytes, t.block_rows, t.block_columns = 2 * cols, rows, 1
-        cfg = ffi.new("ColiLruConfig *")
+        cfg = ffi.new("ColiStoreConfig *")
         name = ffi.new("char[]", str(path).encode())
         files = ffi.new("const char *[]", [name])
         cfg.files, cfg.n_files, cfg.experts, cfg.n_experts = files, 1, src, 1
         cfg.slots_per_layer = 1
         out = ffi.new("ColiExpertStore **")
         err = ffi.new("char[]", 256)
-        rc = lib.coli_lru_store_create(cfg, out, err, 256)
+        rc = lib.coli_store_create(cfg, out, err, 256)
         if rc == 0:
             out[0].ops.destroy(out[0])
         return rc, ffi.string(err)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from transformers.integrations import compressed_tensors as hf_ct  # noqa: E402
 
 import colibri  # noqa: E402
 import colibri.hf as hf  # noqa: E402
-from colibri.layouts import INT4  # noqa: E402
+from colibri.formats import INT4  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -62,14 +63,23 @@ def _ids(case: tuple[str, str, bool, str]) -> str:
     return f"{arch}-{scope}-{'sym' if symmetric else 'asym'}-{dtype}"
 
 
+def _scheme_of(quant: dict[str, Any], module: str) -> Any:
+    """The config group quantizing ``module``: the one with a ``re:`` target
+    matching its name, else the one with a class-name target (``Linear``)."""
+    groups = list(quant["config_groups"].values())
+    for group in groups:
+        if any(t.startswith("re:") and re.match(t[3:], module) for t in group["targets"]):
+            return QuantizationScheme.model_validate(group)
+    (by_class,) = [g for g in groups if any(not t.startswith("re:") for t in g["targets"])]
+    return QuantizationScheme.model_validate(by_class)
+
+
 def _decompressed(path: str, out: Path) -> Path:
     """``path`` with every pack-quantized weight decompressed by
     compressed-tensors' own decompressor, as a float checkpoint."""
     shutil.copytree(path, out)
     cfg = json.loads((out / "config.json").read_text())
     quant = cfg.pop("quantization_config")
-    (group,) = quant["config_groups"].values()
-    scheme = QuantizationScheme.model_validate(group)
     for shard in sorted(out.glob("*.safetensors")):
         tensors = load_file(shard)
         bases = {k[: -len("weight_packed")] for k in tensors if k.endswith(".weight_packed")}
@@ -78,6 +88,7 @@ def _decompressed(path: str, out: Path) -> Path:
         for base in bases:
             state = {k[len(base):]: v for k, v in tensors.items() if k.startswith(base + "weight_")}
             dtype = state["weight_scale"].dtype
+            scheme = _scheme_of(quant, base[:-1])
             dense[base + "weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].to(dtype)
         save_file(dense, str(shard), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg))
@@ -172,6 +183,18 @@ def test_logits_and_tokens_equal_compressed_tensors_reference(ckpt, case, dequan
             model.colibri_close()
 
 
+def _assert_answers_equal(model: Any, reference: Any) -> None:
+    """The logits (in float32, within F32_TOL) and greedy tokens of a padded batch."""
+    ids, mask = _batches(reference.config.vocab_size)[1]
+    with torch.no_grad():
+        want = reference(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+    if reference.dtype == torch.float32:
+        assert _max_diff(got, want, mask) <= F32_TOL
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=_ids)
 def test_symmetric_equals_transformers_compressed_tensors_loader(ckpt, case) -> None:
     """transformers' own compressed-tensors loader, dequantizing on a CPU."""
@@ -180,14 +203,7 @@ def test_symmetric_equals_transformers_compressed_tensors_loader(ckpt, case) -> 
         path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
     model = hf.from_pretrained(path, slots_per_layer=2)
     try:
-        ids, mask = _batches(stock.config.vocab_size)[1]
-        with torch.no_grad():
-            want = stock(ids, attention_mask=mask).logits
-            got = model(ids, attention_mask=mask).logits
-        if stock.dtype == torch.float32:
-            assert _max_diff(got, want, mask) <= F32_TOL
-        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
-        assert torch.equal(model.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+        _assert_answers_equal(model, stock)
     finally:
         model.colibri_close()
 
@@ -199,7 +215,7 @@ def nothing_loaded(monkeypatch: pytest.MonkeyPatch):
         raise AssertionError("a load started")
 
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(hf, "open_store", refuse)
+    monkeypatch.setattr(hf.pretrained, "open_store", refuse)
 
 
 def _edit_config(src: str, dst: Path, edit: Any) -> Path:
@@ -259,3 +275,28 @@ def test_tiny_moe_cli_writes_an_int4_checkpoint(tmp_path) -> None:
     with colibri.open_store(out, slots_per_layer=1, prefetch_workers=0) as store:
         ex = store.model.expert(store.layers[0], 0)
         assert ex.scheme == INT4 and ex.group_size == 16
+
+
+def test_experts_of_a_later_config_group_are_read_by_that_group(tmp_path: Path) -> None:
+    """The routed experts' settings come from the config group that targets
+    them (transformers' rule), not from the first group: here the first
+    group quantizes attention in groups of 8 columns, the second the routed
+    experts in groups of 16. open_store and colibri.hf agree on it."""
+    path = write_tiny_moe(str(tmp_path / "int4"), "qwen3_moe", dtype="float32", hidden_size=32, seed=3,
+                          int4_group=16, int4_scope="attention_first")
+    groups = json.loads((Path(path) / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [name for name in groups] == ["group_0", "group_1"]
+    assert [g["weights"]["group_size"] for g in groups.values()] == [8, 16]
+    assert any("experts" in t for t in groups["group_1"]["targets"])
+    assert not any("experts" in t for t in groups["group_0"]["targets"])
+    with colibri.open_store(path, slots_per_layer=1, prefetch_workers=0) as store:
+        for layer in store.layers:
+            ex = store.model.expert(layer, 0)
+            assert (ex.scheme, ex.group_size) == (INT4, 16)
+            assert ex.block_shape("gate") == (1, 16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(_decompressed(path, tmp_path / "reference")).eval()
+    model = hf.from_pretrained(path, slots_per_layer=2)
+    try:
+        _assert_answers_equal(model, ref)
+    finally:
+        model.colibri_close()

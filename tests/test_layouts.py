@@ -1,4 +1,4 @@
-"""Tests of colibri.layouts: which tensors are routed experts, and their validation."""
+"""Tests of the checkpoint scanner (colibri.checkpoint): which tensors are routed experts, and their validation."""
 
 from __future__ import annotations
 
@@ -15,18 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colibri.errors import FormatError, UnknownExpertError
-from colibri.layouts import (
-    BUILTIN_LAYOUTS,
-    MIXTRAL,
-    MLP_EXPERTS,
-    ExpertTensors,
-    Layout,
-    ModelExperts,
-    detect_layout,
-    scale_block,
-    scan_model,
-)
-from colibri.safetensors_reader import INDEX_NAME, TensorInfo
+from colibri.checkpoint.experts import ExpertTensors, ModelExperts
+from colibri.checkpoint.naming import BUILTIN_LAYOUTS, MIXTRAL, MLP_EXPERTS, Layout, detect_layout
+from colibri.checkpoint.safetensors import INDEX_NAME, TensorInfo
+from colibri.checkpoint.scan import scan_model
+from colibri.formats.fp8 import scale_block
 
 # ---------------------------------------------------------------- model writers
 

@@ -1,4 +1,4 @@
-"""Tests of colibri.safetensors_reader: header parsing, validation, file resolution."""
+"""Tests of colibri.checkpoint.safetensors: header parsing, validation, file resolution."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colibri import _dtypes
+from colibri.checkpoint import dtypes as _dtypes
+from colibri.formats import FORMATS
 from colibri.errors import FormatError
-from colibri.safetensors_reader import (
+from colibri.checkpoint.safetensors import (
     INDEX_NAME,
     MAX_HEADER_BYTES,
     TensorInfo,
@@ -128,20 +129,21 @@ def test_dtype_strings_and_fp8_bytes(tmp_path: Path) -> None:
 
 
 def test_dtype_table() -> None:
-    assert _dtypes.EXPERT_DTYPES == {"F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+    assert set(FORMATS["plain"].coli_formats) == {"F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
     assert _dtypes.DTYPES["BF16"].itemsize == 2
     assert _dtypes.DTYPES["F8_E4M3"].itemsize == 1
     assert _dtypes.DTYPES["F4"].itemsize == 0  # packed, 4 bits
-    assert _dtypes.coli_format("F32", False) == 0
-    assert _dtypes.coli_format("F8_E4M3", True) == 4
-    assert _dtypes.coli_format("F16", False) == 8
-    assert _dtypes.coli_format("BF16", False) == 9
-    assert _dtypes.coli_format("F8_E4M3", False) == 10
-    assert _dtypes.coli_format("F8_E5M2", False) == 11
+    plain, fp8 = FORMATS["plain"], FORMATS["fp8_block"]
+    assert plain.coli_format("F32") == 0
+    assert fp8.coli_format("F8_E4M3") == 4
+    assert plain.coli_format("F16") == 8
+    assert plain.coli_format("BF16") == 9
+    assert plain.coli_format("F8_E4M3") == 10
+    assert plain.coli_format("F8_E5M2") == 11
     with pytest.raises(ValueError):
-        _dtypes.coli_format("I32", False)
+        plain.coli_format("I32")
     with pytest.raises(ValueError):
-        _dtypes.coli_format("BF16", True)
+        fp8.coli_format("BF16")
 
 
 def test_metadata_empty_scalar_and_packed_tensors(tmp_path: Path) -> None:
@@ -176,7 +178,7 @@ def test_gaps_and_padding_are_fine(tmp_path: Path) -> None:
 
 
 def test_reads_only_the_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import colibri.safetensors_reader as reader
+    import colibri.checkpoint.safetensors as reader
 
     big = np.zeros((512, 1024), dtype=np.float32)  # 2 MiB of data
     path = tmp_path / "m.safetensors"

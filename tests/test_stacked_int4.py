@@ -40,7 +40,9 @@ from safetensors.torch import save_file  # noqa: E402
 import colibri  # noqa: E402
 from colibri import moe  # noqa: E402
 from colibri.errors import FormatError  # noqa: E402
-from colibri.layouts import CONCATENATED, INT4, scan_model  # noqa: E402
+from colibri.checkpoint.experts import CONCATENATED  # noqa: E402
+from colibri.checkpoint.scan import scan_model  # noqa: E402
+from colibri.formats import INT4  # noqa: E402
 from colibri.torch_interop import dequantize_torch  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, LAYERS, GROUP = 64, 32, 4, 2, 16

@@ -9,6 +9,7 @@ import pytest
 
 import colibri
 from conftest import assert_expert_matches, expected_experts
+import core_control  # the test build's control
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2, 4])
@@ -30,7 +31,7 @@ def test_failed_read_in_a_batch_holds_nothing_and_poisons_nothing(small_model, n
     want = expected_experts(small_model)
     layer = small_model.layers[0]
     with colibri.open_store(small_model.path, slots_per_layer=4, prefetch_workers=2) as store:
-        store._inject_read_fault(nth, errno.EIO)
+        core_control.inject_read_fault(store, nth, errno.EIO)
         with pytest.raises(colibri.ExpertLoadError) as info:
             store.lease_many(layer, [0, 1, 2])
         assert "offset" in str(info.value) and str(small_model.files[0]) in str(info.value)

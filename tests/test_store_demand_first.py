@@ -17,13 +17,14 @@ from typing import Any, Callable
 
 import colibri
 from conftest import LIVENESS_S, assert_expert_matches, expected_experts, wait_until
+import core_control  # the test build's control
 
 
 def held_prefetch(store, key: tuple[int, int]) -> None:
     """Prefetch key and wait until a worker has begun it and is held."""
-    store._hold_prefetch_reads(True)
+    core_control.hold_prefetch_reads(store, True)
     assert store.prefetch([key]) == 1
-    wait_until(lambda: store._held_prefetch_reads() == 1, "the worker begins the prefetch")
+    wait_until(lambda: core_control.held_prefetch_reads(store) == 1, "the worker begins the prefetch")
 
 
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict]:
@@ -71,7 +72,7 @@ def test_batch_reads_its_miss_while_a_prefetch_it_needs_is_loading(small_model):
         # wait for the prefetch before starting its own miss.
         t, out = batch_in_thread(store, small_model, layer, [0, 1])
         assert t.is_alive() and store.stats().misses == 1
-        store._hold_prefetch_reads(False)
+        core_control.hold_prefetch_reads(store, False)
         joined(t, out)
         s = store.stats()
         assert (s.requests, s.hits, s.misses) == (2, 1, 1)
@@ -84,8 +85,8 @@ def test_joined_prefetch_that_fails_is_read_by_the_batch(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=4, prefetch_workers=1) as store:
         held_prefetch(store, (layer, 2))
         t, out = batch_in_thread(store, small_model, layer, [3, 2])
-        store._inject_read_fault(1, errno.EIO)   # the held prefetch's read fails
-        store._hold_prefetch_reads(False)
+        core_control.inject_read_fault(store, 1, errno.EIO)   # the held prefetch's read fails
+        core_control.hold_prefetch_reads(store, False)
         joined(t, out)                            # ... and the batch reads expert 2 itself
         s = store.stats()
         assert s.loads_failed == 1
@@ -99,7 +100,7 @@ def test_retired_prefetch_stops_reading_and_is_no_failure(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=2, prefetch_workers=1) as store:
         held_prefetch(store, (layer, 5))
         assert store.retire_prefetches(layer, keep=[1]) == 1   # 5 was a wrong guess
-        store._hold_prefetch_reads(False)
+        core_control.hold_prefetch_reads(store, False)
         store.wait_idle(timeout=LIVENESS_S)
         s = store.stats()
         assert (s.bytes_read, s.loads_failed, s.resident_bytes) == (0, 0, 0)
@@ -122,7 +123,7 @@ def test_retired_prefetch_a_lookup_waits_for_is_finished(small_model):
         t, out = in_thread(lookup)
         wait_until(lambda: store.stats().inflight_joins == 1, "the lookup joins the load")
         assert store.retire_prefetches(layer, keep=[]) == 1
-        store._hold_prefetch_reads(False)
+        core_control.hold_prefetch_reads(store, False)
         joined(t, out)
         s = store.stats()
         assert (s.misses, s.hits, s.prefetch_hits) == (0, 1, 1)

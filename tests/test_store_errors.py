@@ -19,6 +19,7 @@ import pytest
 
 import colibri
 from conftest import ROLES, assert_expert_matches, expected_experts, load_all_tensors, tensor_ranges
+import core_control  # the test build's control
 
 # ---------------------------------------------------------------------------
 # unknown keys
@@ -148,7 +149,7 @@ def test_truncated_shard_then_restored(fresh_model):
 def test_injected_read_fault_then_success(small_model, err):
     want = expected_experts(small_model)
     with colibri.open_store(small_model.path, slots_per_layer=2) as store:
-        store._inject_read_fault(1, err)
+        core_control.inject_read_fault(store, 1, err)
         with pytest.raises(colibri.ExpertLoadError) as info:
             store.lease(1, 5)
         assert isinstance(info.value, OSError)
@@ -168,11 +169,11 @@ def test_hit_does_no_io_while_fault_is_armed(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=2) as store:
         with store.lease(2, 3):
             pass
-        store._inject_read_fault(1, errno.EIO)
+        core_control.inject_read_fault(store, 1, errno.EIO)
         for _ in range(3):
             with store.lease(2, 3) as ex:  # hits: no read, so the fault does not fire
                 assert_expert_matches(ex, want[(2, 3)])
-        store._inject_read_fault(0, 0)  # disarm
+        core_control.inject_read_fault(store, 0, 0)  # disarm
         with store.lease(2, 4) as ex:
             assert_expert_matches(ex, want[(2, 4)])
         assert store.stats().loads_failed == 0
@@ -186,7 +187,7 @@ def test_failed_load_does_not_evict_or_disturb_others(small_model):
         with store.lease(1, 1):
             pass
         held = store.lease(1, 0)
-        store._inject_read_fault(1, errno.EIO)
+        core_control.inject_read_fault(store, 1, errno.EIO)
         with pytest.raises(colibri.ExpertLoadError):
             store.lease(1, 2)
         assert_expert_matches(held, want[(1, 0)])
@@ -328,7 +329,6 @@ CLOSED_CALLS = {
     "lease_many": lambda s: s.lease_many(1, [0, 1]),
     "lease_many_empty": lambda s: s.lease_many(1, []),
     "prefetch_empty": lambda s: s.prefetch([]),
-    "inject_read_fault": lambda s: s._inject_read_fault(0, 0),
     "prefetch": lambda s: s.prefetch([(1, 0)]),
     "stats": lambda s: s.stats(),
     "wait_idle": lambda s: s.wait_idle(),

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import colibri
 from conftest import assert_expert_matches, expected_experts
+import core_control  # the test build's control
 
 
 class ReferenceLRU:
@@ -184,7 +185,7 @@ def test_capacity_bytes_is_split_evenly_across_layers(small_model):
 
     n_layers = len(small_model.layers)
     with colibri.open_store(small_model.path, slots_per_layer=1) as probe:
-        slot_bytes = lib.coli_lru_slot_bytes(probe._handle, small_model.layers[0])
+        slot_bytes = core_control.slot_bytes(probe._handle, small_model.layers[0])
     assert slot_bytes >= small_model.expert_nbytes
     capacity = n_layers * slot_bytes * 3 + slot_bytes // 2  # 3.something slots per layer
     with colibri.open_store(small_model.path, capacity_bytes=capacity) as store:

@@ -14,6 +14,7 @@ import pytest
 
 import colibri
 from conftest import assert_expert_matches, expected_experts, wait_until
+import core_control  # the test build's control
 
 
 def test_no_workers_accepts_nothing(small_model):
@@ -136,7 +137,7 @@ def test_prefetch_evicted_before_use_is_not_a_prefetch_hit(small_model):
 def test_failed_prefetch_leaves_no_poisoned_slot(small_model):
     want = expected_experts(small_model)
     with colibri.open_store(small_model.path, slots_per_layer=2, prefetch_workers=1) as store:
-        store._inject_read_fault(1, errno.EIO)
+        core_control.inject_read_fault(store, 1, errno.EIO)
         assert store.prefetch([(1, 6)]) == 1  # accepted: the failure comes later, in the worker
         store.wait_idle(timeout=30)
         s = store.stats()
@@ -204,11 +205,11 @@ def test_retire_cancels_queued_wrong_guesses(small_model):
     with colibri.open_store(small_model.path, slots_per_layer=8, prefetch_workers=1) as store:
         # The one worker begins expert 0 and is held there, so 1..7 are still queued
         # when they are retired (without the hold it may already have read some).
-        store._hold_prefetch_reads(True)
+        core_control.hold_prefetch_reads(store, True)
         assert store.prefetch([(layer, e) for e in range(8)]) == 8
-        wait_until(lambda: store._held_prefetch_reads() == 1, "the worker begins expert 0")
+        wait_until(lambda: core_control.held_prefetch_reads(store) == 1, "the worker begins expert 0")
         assert store.retire_prefetches(layer, keep=[0]) == 7
-        store._hold_prefetch_reads(False)
+        core_control.hold_prefetch_reads(store, False)
         store.wait_idle(timeout=30)
         s = store.stats()
         # The cancelled reads never started; the kept one finished; nothing failed.

@@ -242,3 +242,50 @@ def test_replay_reads_nothing_and_counts_what_it_would():
     s = store.stats()
     assert (s.misses, s.hits, s.evictions, s.bytes_read, s.resident_bytes) == (4, 0, 2, 4000, 2000)
     assert store.expert_requests(0).tolist() == [2, 1, 1, 0]
+
+
+def test_replay_takes_any_k():
+    """k is not bounded by a buffer: 48 choices a token, with pads and
+    repeats, count as their distinct experts do."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(30):
+        chosen = rng.choice(64, size=40, replace=False)
+        row = np.concatenate([chosen, chosen[:4], [-1] * 4])   # 40 distinct of 48
+        rows.append(rng.permutation(row))
+    wide = np.array(rows, dtype=np.int32)[:, None, :]
+    compact = np.array([distinct(r) for r in rows], dtype=np.int32)[:, None, :]
+    got = []
+    for experts in (wide, compact):
+        store = open_replay_store({0: 64}, slots_per_layer=48, policy="lru")
+        store.replay_tokens(np.array([0], dtype=np.int32), experts)
+        got.append(counters_of(store, 0))
+        store.close()
+    assert got[0] == got[1] and got[0][0] == 30 * 40
+
+
+def test_replay_finds_an_unknown_expert_among_many():
+    store = open_replay_store({0: 8}, slots_per_layer=8)
+    row = np.array([[list(range(8)) + [9] + list(range(30, 60))]], dtype=np.int32)
+    with pytest.raises(colibri.UnknownExpertError, match="layer 0 has no expert 9"):
+        store.replay_tokens(np.array([0], dtype=np.int32), row)
+    store.close()
+
+
+def counters_of(store, layer) -> tuple[int, int, int, int]:
+    s = store.layer_stats(layer)
+    return s.requests, s.hits, s.misses, s.evictions
+
+
+def test_replay_store_limits_come_from_the_library():
+    from colibri._ffi import lib
+
+    top = int(lib.COLI_MAX_LAYER_ID)
+    store = open_replay_store({top: 2}, slots_per_layer=1)
+    store.replay_tokens(np.array([top], dtype=np.int32), np.array([[[1]]], dtype=np.int32))
+    assert store.layer_stats(top).misses == 1
+    store.close()
+    with pytest.raises(colibri.FormatError, match=f"<= {top}"):
+        open_replay_store({top + 1: 2}, slots_per_layer=1)
+    with pytest.raises(colibri.FormatError, match=f"<= {int(lib.COLI_MAX_EXPERT_ID) + 1}"):
+        open_replay_store({0: int(lib.COLI_MAX_EXPERT_ID) + 2}, slots_per_layer=1)

@@ -22,6 +22,7 @@ import pytest
 
 import colibri
 from conftest import LIVENESS_S, ROLES, expert_digests, lease_digests, wait_until
+import core_control  # the test build's control
 
 JOIN_TIMEOUT = 120.0
 
@@ -284,7 +285,7 @@ def test_concurrent_read_faults_leave_no_poisoned_slot(model_factory, prefetch_w
             rng = random.Random(seed)
             for i in range(600):
                 if i % 25 == 0:
-                    store._inject_read_fault(rng.randint(1, 4), errno.EIO)
+                    core_control.inject_read_fault(store, rng.randint(1, 4), errno.EIO)
                 if prefetch_workers and rng.random() < 0.2:
                     store.prefetch([rng.choice(keys) for _ in range(2)])
                 key = rng.choice(keys)
@@ -299,7 +300,7 @@ def test_concurrent_read_faults_leave_no_poisoned_slot(model_factory, prefetch_w
                     assert lease_digests(ex) == digests[key], f"bad bytes for {key}"
 
         _run_threads([(worker, seed) for seed in range(6)])
-        store._inject_read_fault(0, 0)
+        core_control.inject_read_fault(store, 0, 0)
         store.wait_idle(timeout=60)
         assert store.active_leases == 0
         s = store.stats()

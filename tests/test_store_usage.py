@@ -151,3 +151,40 @@ def test_usage_seeds_plan_and_replay_on_a_trace(small_model, tmp_path):
     u = Usage.load(path)
     for l in (1, 2, 3):
         assert u.counts(l).tolist() == trace.counts()[l].astype(float).tolist()
+
+
+def _odd_model_and_history(tmp_path):
+    """A model whose experts are 13,440 bytes (a 16 KiB slot each) and a
+    usage history in which twelve experts of each layer are hot."""
+    model = write_synthetic_model(tmp_path / "m", n_layers=2, n_experts=16, hidden=40, intermediate=56,
+                                  dtype="float16")
+    path = tmp_path / "usage.npz"
+    with colibri.open_store(model.path, slots_per_layer=12, prefetch_workers=0, usage_file=path,
+                           usage_half_life=None) as store:
+        serve(store, {layer: [list(range(12))] * 3 for layer in store.layers})
+    return model, path, store.model.expert_nbytes(0)
+
+
+def test_pinned_bytes_pin_at_most_half_of_the_slots_c_gives(tmp_path):
+    """The slots come from C, which divides the budget by each expert's
+    footprint rounded up to 4 KiB: an expert of 13,440 bytes takes a 16 KiB
+    slot, so a budget of ten experts a layer is eight slots, of which four may
+    be pinned (not five, as ten slots would allow)."""
+    model, path, nbytes = _odd_model_and_history(tmp_path)
+    assert nbytes == 13_440
+    with colibri.open_store(model.path, capacity_bytes=10 * nbytes * 2, prefetch_workers=0, usage_file=path,
+                           pinned_bytes=100 * nbytes) as store:
+        for layer in store.layers:
+            slots = store.slots(layer)
+            assert slots < 10  # the rounding this test is about
+            pins = sum(1 for l, _ in store.pinned if l == layer)
+            assert 0 < pins <= slots // 2, (layer, pins, slots)
+            assert pins == slots // 2  # the history has more hot experts than that
+
+
+def test_warm_start_fills_the_slots_c_gives(tmp_path):
+    model, path, nbytes = _odd_model_and_history(tmp_path)
+    with colibri.open_store(model.path, capacity_bytes=10 * nbytes * 2, prefetch_workers=0, usage_file=path,
+                           warm_start=True) as store:
+        for layer in store.layers:
+            assert store.layer_stats(layer).resident_bytes == store.slots(layer) * nbytes

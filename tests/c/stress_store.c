@@ -1,6 +1,8 @@
 /*
- * stress_store.c: a multi-threaded stress of the LRU store straight from C,
- * for sanitizer builds (ASan+UBSan, TSan) without a Python interpreter.
+ * stress_store.c: a multi-threaded stress of the store straight from C,
+ * for sanitizer builds (ASan+UBSan, TSan) without a Python interpreter. It
+ * is a test build of the core (-DCOLI_TEST_CONTROL, ls_test_control.c), so
+ * it injects read faults through coli_test_control.
  *
  * It writes a model file whose every byte is a function of (layer, expert,
  * position), opens a store with few slots (constant eviction) and an I/O
@@ -18,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lru_store.h"
-#include "lru_test_hooks.h"
+#include "coli_store.h"
+#include "coli_test_control.h"
 
 #define LAYERS 3
 #define EXPERTS 10
@@ -65,11 +67,11 @@ static void *worker(void *p) {
             ColiExpertKey keys[3];
             for (int k = 0; k < 3; k++) keys[k] = (ColiExpertKey){layer, rand_r(&s) % (EXPERTS + 2) - 1};
             a->store->ops->prefetch(a->store, keys, 3);
-            if (op == 1) coli_lru_retire_prefetches(a->store, layer, &expert, 1);  /* the rest were wrong */
+            if (op == 1) coli_store_retire_prefetches(a->store, layer, &expert, 1);  /* the rest were wrong */
         } else if (op < 4) {
             int ids[2] = {expert, (expert + 3) % EXPERTS};
             ColiExpertView views[2];
-            int rc = coli_lru_lookup_many(a->store, layer, ids, 2, views, err, sizeof err);
+            int rc = coli_store_lookup_many(a->store, layer, ids, 2, views, err, sizeof err);
             CHECK(rc == 0, "lookup_many: %s", err);
             if (rc == 0) {
                 CHECK(check_view(a, &views[0]) && check_view(a, &views[1]), "lookup_many bytes differ");
@@ -79,7 +81,7 @@ static void *worker(void *p) {
         } else {
             ColiExpertView v;
             memset(&v, 0, sizeof v);
-            int rc = coli_lru_lookup(a->store, layer, expert, &v, err, sizeof err);
+            int rc = coli_store_lookup(a->store, layer, expert, &v, err, sizeof err);
             CHECK(rc == 0, "lookup: %s", err);
             if (rc == 0) {
                 CHECK(check_view(a, &v), "bytes of layer %d expert %d differ", layer, expert);
@@ -118,7 +120,7 @@ static const ColiExpertKey PINS[2] = {{0, 5}, {2, 8}};
 static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint32_t workers, int direct,
                                    int never_pause, int pins, int replay, int policy) {
     const char *files[1] = {path};
-    ColiLruConfig cfg;
+    ColiStoreConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.files = files;
     cfg.n_files = 1;
@@ -137,7 +139,7 @@ static ColiExpertStore *open_store(const char *path, ColiExpertSource *src, uint
     cfg.policy = policy;
     ColiExpertStore *store = NULL;
     char err[COLI_ERR_LEN];
-    int rc = coli_lru_store_create(&cfg, &store, err, sizeof err);
+    int rc = coli_store_create(&cfg, &store, err, sizeof err);
     CHECK(rc == 0, "create: %s", err);
     return store;
 }
@@ -165,20 +167,20 @@ static void contract_edges(ColiExpertStore *store) {
     }
     memset(&w, 0, sizeof w);
     CHECK(coli_expert_lookup(store, (ColiExpertKey){1, 4}, &w) == 0, "lookup 1/4");
-    uint64_t before = coli_lru_active_leases(store);
+    uint64_t before = coli_store_active_leases(store);
     coli_expert_release(store, &stale);
-    CHECK(coli_lru_active_leases(store) == before, "a stale release dropped another lease");
+    CHECK(coli_store_active_leases(store) == before, "a stale release dropped another lease");
     CHECK(verify(&w), "bytes changed under a lease");
     /* lookup into a view holding a lease: refused, and that lease is dropped */
-    CHECK(coli_lru_lookup(store, 1, 5, &w, err, sizeof err) == COLI_ELEASE, "lookup into a leased view");
+    CHECK(coli_store_lookup(store, 1, 5, &w, err, sizeof err) == COLI_ELEASE, "lookup into a leased view");
     CHECK(w.lease == NULL, "refused lookup left the view set");
-    CHECK(coli_lru_active_leases(store) == before - 1, "refused lookup leaked the old lease");
+    CHECK(coli_store_active_leases(store) == before - 1, "refused lookup leaked the old lease");
     /* a fault fails one lookup, then the expert loads */
-    coli_lru_inject_read_fault(store, 1, EIO);
+    CHECK(coli_test_control(store, COLI_TEST_READ_FAULT, (uint64_t)1, EIO) == 0, "arm a read fault");
     memset(&v, 0, sizeof v);
-    CHECK(coli_lru_lookup(store, 2, 9, &v, err, sizeof err) == COLI_EIO, "injected fault");
+    CHECK(coli_store_lookup(store, 2, 9, &v, err, sizeof err) == COLI_EIO, "injected fault");
     CHECK(strstr(err, "offset") != NULL, "fault message lacks the offset: %s", err);
-    CHECK(coli_lru_lookup(store, 2, 9, &v, err, sizeof err) == 0 && verify(&v), "retry after fault: %s", err);
+    CHECK(coli_store_lookup(store, 2, 9, &v, err, sizeof err) == 0 && verify(&v), "retry after fault: %s", err);
     coli_expert_release(store, &v);
 }
 
@@ -219,7 +221,7 @@ int main(int argc, char **argv) {
         /* the injected fault must meet contract_edges' own read, not a pin's
          * background load (mode 6 keeps pins loading while the threads run) */
         if (edges && pins && workers)
-            CHECK(coli_lru_wait_idle(store, -1, -1) == 0, "pins never finished loading");
+            CHECK(coli_store_wait_idle(store, -1, -1) == 0, "pins never finished loading");
         if (edges) contract_edges(store);
         pthread_t t[16];
         Arg a[16];
@@ -231,12 +233,12 @@ int main(int argc, char **argv) {
         for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
         ColiExpertStoreStats st;
         store->ops->stats(store, &st);
-        CHECK(coli_lru_active_leases(store) == 0, "leases left: %llu", (unsigned long long)coli_lru_active_leases(store));
+        CHECK(coli_store_active_leases(store) == 0, "leases left: %llu", (unsigned long long)coli_store_active_leases(store));
         CHECK(st.resident_bytes <= st.capacity_bytes, "resident over capacity");
         CHECK(st.prefetch_hits <= st.prefetched, "prefetch_hits > prefetched");
         CHECK(st.persistent_hits + st.transient_hits == st.hits, "persistent + transient != hits");
         ColiExpertKey pinned[4];
-        CHECK(coli_lru_pinned(store, pinned, 4) == (pins ? 2 : 0), "pins lost");
+        CHECK(coli_store_pinned(store, pinned, 4) == (pins ? 2 : 0), "pins lost");
         CHECK(!pins || (st.persistent_hits > 0 && pinned[0].layer == 0 && pinned[0].expert == 5 &&
                         pinned[1].layer == 2 && pinned[1].expert == 8), "pins wrong or never hit");
         CHECK(st.loads_failed == (edges ? 1u : 0u) && st.requests == st.hits + st.misses + 0,

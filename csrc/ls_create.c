@@ -1,65 +1,24 @@
 /*
- * lru_store.c: the LRU store's life cycle: create (the configuration, the
- * layers and their experts, slot counts and slot memory, the I/O pool),
- * close, destroy and stats, and the small extras of lru_store.h.
+ * ls_create.c: the store's life cycle: create (the configuration, the
+ * layers and their experts, slot counts and slot memory, pins and warm
+ * experts, the I/O pool), close and destroy.
  *
  * The store's other parts are in ls_*.c; ls_internal.h says which file
  * holds what, and ls_slots.h describes the slot state machine.
  */
 #define _GNU_SOURCE               /* madvise(MADV_HUGEPAGE), with POSIX clocks and conditions */
-#include "ls_internal.h"
+#include "ls_slots.h"
 
-#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 
-#include "lru_test_hooks.h"
-
-/* Adds layer L's counters to out. */
-static void add_layer_stats(LsLayer *L, ColiExpertStoreStats *out) {
-    pthread_mutex_lock(&L->mu);
-    out->requests += L->c.requests;
-    out->hits += L->c.hits;
-    out->misses += L->c.misses;
-    out->prefetched += L->c.prefetched;
-    out->prefetch_hits += L->c.prefetch_hits;
-    out->bytes_read += L->c.bytes_read;
-    out->resident_bytes += L->resident_bytes;
-    out->capacity_bytes += (uint64_t)L->n_slots * L->slot_bytes;
-    out->inflight_joins += L->c.inflight_joins;
-    out->loads_started += L->c.loads_started;
-    out->loads_failed += L->c.loads_failed;
-    out->evictions += L->c.evictions;
-    out->slot_waits += L->c.slot_waits;
-    out->persistent_hits += L->c.persistent_hits;
-    out->transient_hits += L->c.hits - L->c.persistent_hits;
-    pthread_mutex_unlock(&L->mu);
-}
-
-static void ls_stats_op(ColiExpertStore *store, ColiExpertStoreStats *out) {
-    LsStore *s = ls_store_of(store);
-    if (!out) return;
-    memset(out, 0, sizeof(*out));
-    if (!s) return;
-    for (int i = 0; i < s->n_layers; i++) add_layer_stats(&s->layers[i], out);
-    out->peak_inflight = atomic_load(&s->peak_inflight);
-}
-
-int coli_lru_layer_stats(ColiExpertStore *store, int layer, ColiExpertStoreStats *out) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
-    if (!out) return COLI_EINVAL;
-    memset(out, 0, sizeof(*out));
-    if (!L) return COLI_ENOTFOUND;
-    add_layer_stats(L, out);
-    return COLI_OK;
-}
+#include "coli_store.h"
 
 static void free_store(LsStore *s) {
     atomic_store(&s->stopping, 1);       /* preload jobs end */
-    if (s->gate_ready) ls_set_hold(s, 0);   /* a held read would keep the pool from stopping */
+    if (s->gate_ready) ls_lift_holds(s);   /* a held read would keep the pool from stopping */
     coli_pool_stop(&s->pool);
     for (int i = 0; i < s->n_layers; i++) {
         LsLayer *L = &s->layers[i];
@@ -87,39 +46,16 @@ static void free_store(LsStore *s) {
     free(s);
 }
 
-static void ls_destroy_op(ColiExpertStore *store) {
-    LsStore *s = ls_store_of(store);
-    if (!s) return;
-    assert(coli_lru_active_leases(store) == 0 && "destroy with active leases (rule 5)");
+void ls_destroy_op(ColiExpertStore *store) {
+    LsStore *s = store->state;   /* reached through ls_ops: a store of ours */
+    assert(ls_active_leases(s) == 0 && "destroy with active leases (rule 5)");
     free_store(s);
 }
 
-const ColiExpertStoreOps ls_ops = {
-    .lookup = ls_lookup_op,
-    .release = ls_release_op,
-    .prefetch = ls_prefetch_op,
-    .stats = ls_stats_op,
-    .destroy = ls_destroy_op,
-};
-
 /* ---- creation -------------------------------------------------------- */
 
-/* A mutex and a condition on the monotonic clock (the one deadlines use).
- * Returns 1 if the mutex failed, 2 if the condition did (nothing left). */
-static int init_sync(pthread_mutex_t *mu, pthread_cond_t *cv) {
-    if (pthread_mutex_init(mu, NULL) != 0) return 1;
-    pthread_condattr_t attr;
-    bool bad = pthread_condattr_init(&attr) != 0;
-    if (!bad) {
-        bad = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 || pthread_cond_init(cv, &attr) != 0;
-        pthread_condattr_destroy(&attr);
-    }
-    if (bad) pthread_mutex_destroy(mu);
-    return bad ? 2 : 0;
-}
-
 static int init_layer_sync(LsLayer *L, char *err, size_t n) {
-    int bad = init_sync(&L->mu, &L->cv);
+    int bad = ls_sync_init(&L->mu, &L->cv);
     if (bad)
         return coli_fail(err, n, COLI_ETHREAD, "cannot create the %s of layer %d",
                          bad == 1 ? "mutex" : "condition", L->id);
@@ -128,7 +64,7 @@ static int init_layer_sync(LsLayer *L, char *err, size_t n) {
 }
 
 static int init_gate(LsStore *s, char *err, size_t n) {
-    int bad = init_sync(&s->gate_mu, &s->gate_cv);
+    int bad = ls_sync_init(&s->gate_mu, &s->gate_cv);
     if (bad)
         return coli_fail(err, n, COLI_ETHREAD, "cannot create the demand gate's %s",
                          bad == 1 ? "mutex" : "condition");
@@ -136,12 +72,28 @@ static int init_gate(LsStore *s, char *err, size_t n) {
     return COLI_OK;
 }
 
+/* Checks source x (against the files, which a replay store and a plan
+ * have not) and plans its reads into e. With replay_expert_bytes the
+ * source's tensors are not read: a read of that many bytes is planned. */
+static int plan_entry(const LsStore *s, const ColiStoreConfig *cfg, const ColiExpertSource *x, LsEntry *e,
+                      char *err, size_t n) {
+    uint64_t bytes = cfg->replay_expert_bytes;
+    if (bytes) {
+        e->plan.runs[0] = (ColiReadRun){.length = bytes, .needed = bytes};
+        e->plan.n_runs = 1;
+        e->plan.footprint = e->plan.payload = bytes;
+        return COLI_OK;
+    }
+    int rc = coli_check_expert(s->files.n ? &s->files : NULL, x, err, n);   /* none opened: 0 files */
+    return rc ? rc : coli_plan_expert(x, s->direct, &e->plan, err, n);
+}
+
 /* Sorts and counts layers, fills entries with validated sources and plans. */
-static int build_layers(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+static int build_layers(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
     int max_id = -1;
     for (int i = 0; i < cfg->n_experts; i++) {
         const ColiExpertSource *x = &cfg->experts[i];
-        if (x->layer < 0 || x->layer > LS_MAX_LAYER_ID || x->expert < 0 || x->expert > LS_MAX_EXPERT_ID)
+        if (x->layer < 0 || x->layer > COLI_MAX_LAYER_ID || x->expert < 0 || x->expert > COLI_MAX_EXPERT_ID)
             return coli_fail(err, n, COLI_ECONFIG, "expert %d of layer %d: index out of range",
                              x->expert, x->layer);
         if (x->layer > max_id) max_id = x->layer;
@@ -189,9 +141,7 @@ static int build_layers(LsStore *s, const ColiLruConfig *cfg, char *err, size_t 
         LsEntry *e = &L->entries[x->expert];
         if (L->present[x->expert])
             return coli_fail(err, n, COLI_ECONFIG, "layer %d expert %d is listed twice", x->layer, x->expert);
-        int rc = s->replay ? COLI_OK : coli_check_expert(&s->files, x, err, n);   /* no files */
-        if (rc) return rc;
-        rc = coli_plan_expert(x, s->direct, &e->plan, err, n);
+        int rc = plan_entry(s, cfg, x, e, err, n);
         if (rc) return rc;
         e->src = *x;
         e->src.parts = NULL;          /* the caller's array; the plan has what loads need */
@@ -218,9 +168,9 @@ static unsigned char *alloc_arena(size_t bytes) {
     return arena;
 }
 
-/* Decides every layer's slot count and allocates slots and arenas (none
- * for a replay store). */
-static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+/* Decides every layer's slot stride (its largest expert's footprint, in
+ * whole pages) and slot count (from the budget, at most its experts). */
+static int count_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
     if (cfg->layer_slots && cfg->n_layer_slots != s->n_layers)
         return coli_fail(err, n, COLI_ECONFIG, "layer_slots gives %d slot counts for %d layers",
                          cfg->n_layer_slots, s->n_layers);
@@ -250,10 +200,19 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
                              (unsigned long long)L->slot_bytes * (uint64_t)s->n_layers, s->n_layers);
         if (slots > (uint64_t)present) slots = (uint64_t)present;   /* more slots than experts is waste */
         L->n_slots = (int)slots;
+    }
+    return COLI_OK;
+}
+
+/* Allocates every layer's slots and arena (none for a replay store), starts
+ * its policy and its lock, and puts every slot in its evictable set. */
+static int build_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
+    for (int i = 0; i < s->n_layers; i++) {
+        LsLayer *L = &s->layers[i];
         uint64_t arena_bytes;
-        if (__builtin_mul_overflow(L->slot_bytes, slots, &arena_bytes) || arena_bytes > SIZE_MAX)
-            return coli_fail(err, n, COLI_ENOMEM, "layer %d: %llu slots of %llu bytes overflow",
-                             L->id, (unsigned long long)slots, (unsigned long long)L->slot_bytes);
+        if (__builtin_mul_overflow(L->slot_bytes, (uint64_t)L->n_slots, &arena_bytes) || arena_bytes > SIZE_MAX)
+            return coli_fail(err, n, COLI_ENOMEM, "layer %d: %d slots of %llu bytes overflow",
+                             L->id, L->n_slots, (unsigned long long)L->slot_bytes);
         unsigned char *arena = s->replay ? NULL : alloc_arena((size_t)arena_bytes);
         if (!arena && !s->replay)
             return coli_fail(err, n, COLI_ENOMEM, "cannot allocate %llu bytes for the %d slots of layer %d",
@@ -287,7 +246,7 @@ static int build_slots(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n
 
 /* Gives each layer's last warm experts, as many as it has unpinned slots,
  * a slot, QUEUED for ls_start_preloads. */
-static int build_warm(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+static int build_warm(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
     int *skip = calloc((size_t)s->n_layers, sizeof(int));   /* per layer: its warm experts to leave out */
     if (!skip) return coli_fail(err, n, COLI_ENOMEM, "out of memory for %d layers", s->n_layers);
     int rc = COLI_OK;
@@ -327,7 +286,7 @@ static int build_warm(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n)
 
 /* Gives every pinned expert, then every warm one, a slot of its layer,
  * QUEUED for ls_start_preloads. */
-static int build_preloads(LsStore *s, const ColiLruConfig *cfg, char *err, size_t n) {
+static int build_preloads(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
     if (cfg->n_pinned < 0 || (cfg->n_pinned > 0 && !cfg->pinned))
         return coli_fail(err, n, COLI_ECONFIG, "config pins %d experts from a NULL list", cfg->n_pinned);
     if (cfg->n_warm < 0 || (cfg->n_warm > 0 && !cfg->warm))
@@ -370,35 +329,62 @@ static int build_preloads(LsStore *s, const ColiLruConfig *cfg, char *err, size_
     return cfg->n_warm > 0 ? build_warm(s, cfg, err, n) : COLI_OK;
 }
 
-int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char *err, size_t n) {
-    if (!out) return coli_fail(err, n, COLI_EINVAL, "create: out is NULL");
+/* The checks of a config before anything is built, and the store's mode
+ * from it: *out, or NULL with err set. */
+static int new_store(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
     *out = NULL;
-    if (!cfg) return coli_fail(err, n, COLI_EINVAL, "create: config is NULL");
     if (cfg->n_experts <= 0 || !cfg->experts)
         return coli_fail(err, n, COLI_ECONFIG, "config lists no experts");
     if (cfg->slots_per_layer == 0 && cfg->capacity_bytes == 0 && !cfg->layer_slots)
         return coli_fail(err, n, COLI_ECONFIG,
                          "config sets neither slots_per_layer nor capacity_bytes nor layer_slots");
-    if (cfg->policy < 0 || !coli_lru_policy_name(cfg->policy))
+    if (cfg->policy < 0 || !coli_store_policy_name(cfg->policy))
         return coli_fail(err, n, COLI_ECONFIG, "unknown eviction policy %d", cfg->policy);
+    if (cfg->replay_expert_bytes && !cfg->replay)
+        return coli_fail(err, n, COLI_ECONFIG, "replay_expert_bytes is for a replay store");
     LsStore *s = calloc(1, sizeof(LsStore));
     if (!s) return coli_fail(err, n, COLI_ENOMEM, "out of memory for the store");
     s->replay = cfg->replay != 0;
     s->direct = cfg->direct_io != 0 && !s->replay;
+    *out = s;
+    return COLI_OK;
+}
+
+int ls_plan_slots(const ColiStoreConfig *cfg, uint32_t *out, int n_out, char *err, size_t n) {
+    LsStore *s;
+    int rc = new_store(cfg, &s, err, n);
+    if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);   /* no files: checked without them */
+    if (rc == COLI_OK) rc = count_slots(s, cfg, err, n);
+    for (int i = 0; rc == COLI_OK && out && i < s->n_layers && i < n_out; i++)
+        out[i] = (uint32_t)s->layers[i].n_slots;
+    if (rc == COLI_OK) rc = s->n_layers;
+    if (s) free_store(s);
+    return rc;
+}
+
+int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
+    LsStore *s;
+    int rc = new_store(cfg, &s, err, n);
+    *out = NULL;
+    if (rc) return rc;
     s->wait_timeout_ns = cfg->slot_wait_timeout_ns;
     s->demand_first = cfg->prefetch_never_pauses == 0;
     uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes : LS_DEFAULT_PREFETCH_CHUNK;
     if (chunk < LS_MIN_PREFETCH_CHUNK) chunk = LS_MIN_PREFETCH_CHUNK;
     if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
     s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
-    int rc = init_gate(s, err, n);
+    rc = init_gate(s, err, n);
     if (rc == COLI_OK && !s->replay) {
         rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
+#ifdef COLI_TEST_CONTROL
+        s->files.fault = &s->test.fault;
+#endif
         if (rc == COLI_OK)
             coli_files_tune(&s->files, cfg->read_chunk_bytes ? cfg->read_chunk_bytes : COLI_DEFAULT_READ_CHUNK,
                             cfg->read_without_advice == 0);
     }
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
+    if (rc == COLI_OK) rc = count_slots(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_preloads(s, cfg, err, n);
     if (rc == COLI_OK)
@@ -409,20 +395,16 @@ int coli_lru_store_create(const ColiLruConfig *cfg, ColiExpertStore **out, char 
         free_store(s);
         return rc;
     }
-    s->base.ops = &ls_ops;
-    s->base.state = s;
     ls_start_preloads(s);
-    *out = &s->base;
+    *out = s;
     return COLI_OK;
 }
 
-/* ---- extras ---------------------------------------------------------- */
+/* ---- close ----------------------------------------------------------- */
 
-int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
-    LsStore *s = ls_store_of(store);
-    if (!s) return coli_fail(err, n, COLI_EINVAL, "close: not an LRU expert store");
+int ls_close(LsStore *s, char *err, size_t n) {
     if (atomic_exchange(&s->closed, 1)) return COLI_OK;   /* closed already */
-    uint64_t calls = atomic_load(&s->prefetch_calls), leases = coli_lru_active_leases(store);
+    uint64_t calls = atomic_load(&s->prefetch_calls), leases = ls_active_leases(s);
     for (int i = 0; i < s->n_layers; i++) calls += atomic_load(&s->layers[i].calls);
     if (calls || leases) {
         atomic_store(&s->closed, 0);
@@ -434,7 +416,7 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
                                   (unsigned long long)calls);
     }
     atomic_store(&s->stopping, 1);   /* preload jobs end after the expert they load */
-    ls_set_hold(s, 0);
+    ls_lift_holds(s);
     coli_pool_stop(&s->pool);     /* queued prefetches are dropped, running reads end first */
     for (int i = 0; i < s->n_layers; i++) {
         LsLayer *L = &s->layers[i];
@@ -447,142 +429,4 @@ int coli_lru_close(ColiExpertStore *store, char *err, size_t n) {
     }
     coli_files_close(&s->files);
     return COLI_OK;
-}
-
-int coli_lru_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns) {
-    LsStore *s = ls_store_of(store);
-    if (!s) return COLI_EINVAL;
-    struct timespec deadline;
-    if (timeout_ns >= 0) ls_deadline_after(&deadline, timeout_ns);
-    for (int i = 0; i < s->n_layers; i++) {
-        LsLayer *L = &s->layers[i];
-        if (layer >= 0 && L->id != layer) continue;
-        pthread_mutex_lock(&L->mu);
-        while (L->loading > 0) {
-            if (ls_layer_wait(L, timeout_ns >= 0 ? &deadline : NULL) == ETIMEDOUT && L->loading > 0) {
-                pthread_mutex_unlock(&L->mu);
-                return COLI_ETIMEOUT;
-            }
-        }
-        pthread_mutex_unlock(&L->mu);
-    }
-    return COLI_OK;
-}
-
-int coli_view_layout(const ColiExpertView *view, uint64_t out[8]) {
-    if (!view || !view->lease || !out) return COLI_EINVAL;
-    const ColiTensorView *t[3] = {&view->gate, &view->up, &view->down};
-    uintptr_t lo = UINTPTR_MAX, hi = 0;
-    for (int i = 0; i < 3; i++) {
-        uintptr_t d = (uintptr_t)t[i]->data, sc = (uintptr_t)t[i]->scales;
-        if (!t[i]->data) continue;    /* up of a fused gate_up */
-        if (d < lo) lo = d;
-        if (d + t[i]->data_bytes > hi) hi = d + t[i]->data_bytes;
-        if (t[i]->scales) {
-            if (sc < lo) lo = sc;
-            if (sc + t[i]->scale_bytes > hi) hi = sc + t[i]->scale_bytes;
-        }
-    }
-    out[0] = lo;
-    out[1] = hi - lo;
-    for (int i = 0; i < 3; i++) {
-        out[2 + i] = t[i]->data ? (uintptr_t)t[i]->data - lo : UINT64_MAX;
-        out[5 + i] = t[i]->scales ? (uintptr_t)t[i]->scales - lo : UINT64_MAX;
-    }
-    return COLI_OK;
-}
-
-int coli_lru_expert_parts(ColiExpertStore *store, int layer, int expert, uint64_t *out, int cap) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
-    const LsEntry *e = L ? ls_find_entry(L, expert) : NULL;
-    if (!e) return COLI_ENOTFOUND;
-    bool fused = (e->src.flags & COLI_SOURCE_FUSED_GATE_UP) != 0;
-    const ColiTensorSource *t[3] = {&e->src.gate, &e->src.up, &e->src.down};
-    int total = 6 + e->plan.n_parts;
-    for (int i = 0; i < total && i < cap; i++) {
-        if (i < 3) out[i] = i == 1 && fused ? UINT64_MAX : e->plan.data_at[i];
-        else if (i < 6) out[i] = t[i - 3]->scale_format == COLI_SCALE_NONE
-                                     ? UINT64_MAX : e->plan.scales_at[i - 3];
-        else out[i] = e->plan.part_at[i - 6];
-    }
-    return total;
-}
-
-uint64_t coli_lru_active_leases(ColiExpertStore *store) {
-    LsStore *s = ls_store_of(store);
-    uint64_t total = 0;
-    for (int i = 0; s && i < s->n_layers; i++) {
-        pthread_mutex_lock(&s->layers[i].mu);
-        total += s->layers[i].leases;
-        pthread_mutex_unlock(&s->layers[i].mu);
-    }
-    return total;
-}
-
-int coli_lru_layer_slots(ColiExpertStore *store, int layer) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
-    return L ? L->n_slots : 0;
-}
-
-uint64_t coli_lru_slot_bytes(ColiExpertStore *store, int layer) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
-    return L ? L->slot_bytes : 0;
-}
-
-void coli_lru_inject_read_fault(ColiExpertStore *store, uint64_t nth, int errno_value) {
-    LsStore *s = ls_store_of(store);
-    if (!s) return;
-    atomic_store(&s->fault.errno_value, errno_value);
-    atomic_store(&s->fault.countdown, nth);
-}
-
-int coli_lru_direct_io_fallback(ColiExpertStore *store) {
-    LsStore *s = ls_store_of(store);
-    return s ? s->files.direct_fallback : 0;
-}
-
-static const ColiLeaseEntryPoints LEASE_ENTRY_POINTS = {
-    .lookup = coli_lru_lookup,
-    .lookup_resident = coli_lru_lookup_resident,
-    .lookup_many = coli_lru_lookup_many,
-    .view_layout = coli_view_layout,
-};
-
-const ColiLeaseEntryPoints *coli_lease_entry_points(void) { return &LEASE_ENTRY_POINTS; }
-
-const char *coli_lru_policy_name(int policy) {
-    for (int i = 0; ls_policies[i]; i++)
-        if (i == policy) return ls_policies[i]->name;
-    return NULL;
-}
-
-int coli_lru_expert_requests(ColiExpertStore *store, int layer, uint64_t *out, int n) {
-    LsStore *s = ls_store_of(store);
-    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
-    if (out && n > 0) memset(out, 0, sizeof(*out) * (size_t)n);
-    if (!L) return 0;
-    pthread_mutex_lock(&L->mu);
-    for (int e = 0; out && e < n && e < L->n_entries; e++) out[e] = L->requests_of[e];
-    pthread_mutex_unlock(&L->mu);
-    return L->n_entries;
-}
-
-int coli_lru_pinned(ColiExpertStore *store, ColiExpertKey *out, int n) {
-    LsStore *s = ls_store_of(store);
-    int total = 0;
-    for (int i = 0; s && i < s->n_layers; i++) {
-        LsLayer *L = &s->layers[i];
-        pthread_mutex_lock(&L->mu);
-        for (int e = 0; e < L->n_entries; e++) {   /* by expert: the order the header promises */
-            const LsSlot *v = L->slot_of[e];
-            if (!v || !v->pinned) continue;
-            if (out && total < n) out[total] = (ColiExpertKey){L->id, e};
-            total++;
-        }
-        pthread_mutex_unlock(&L->mu);
-    }
-    return total;
 }
