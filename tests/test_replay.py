@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -344,3 +345,28 @@ def test_belady_bounds_every_policy_on_batched_real_traces(name):
         best = belady(b, slots)
         for policy in colibri.POLICIES:
             assert replay(b, slots_per_layer=slots, policy=policy).hits <= best.hits
+
+
+def _serve_replay():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serve_replay
+    return serve_replay
+
+
+def test_serve_replay_pieces_and_rows():
+    """benchmarks/serve_replay.py: pieces cover every token in order, and in
+    every row of its study Belady reads no more than any policy on the same
+    lease order, and batch 1 has one expert per distinct choice."""
+    sr = _serve_replay()
+    t = with_sequences(random_trace(np.random.default_rng(5), 40, [0, 3], 12, 3), [7, 30, 3])
+    pieces = sr.split_sequences(t, 6)
+    assert [int((pieces.sequence == s).sum()) for s in pieces.sequences] == [7, 6, 6, 6, 6, 6, 3]
+    assert pieces.experts.tolist() == t.experts.tolist() and list(pieces.sequence) == sorted(pieces.sequence)
+    rows = sr.study(pieces, [0.25, 0.5], [1, 3], perms=2, seed=1)
+    assert len(rows) == 2 * 2 * 2 * 2      # groupings x slots x batches x regimes
+    for r in rows:
+        for order in ("id", "shared"):
+            assert all(r["reads"][f"belady/{order}"] <= r["reads"][f"{p}/{order}"] + 1e-12
+                       for p in colibri.POLICIES)
+        if r["batch"] == 1:
+            assert r["union"] == pytest.approx(t.requests / len(t) / 2)
