@@ -81,11 +81,15 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # colibri from thi
 from _common import Goals, table, write_json  # noqa: E402
 
 import colibri  # noqa: E402
+from colibri import kernels, moe  # noqa: E402
 from colibri.checkpoint.scan import scan_model  # noqa: E402
+from _prefill import GOAL as PREFILL_GOAL, PROMPT_TOKENS, direct_read_time, prefill_ratio  # noqa: E402
 from colibri.formats.mxfp4 import E2M1_VALUES  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 FORMATS = ("bf16", "int4", "mxfp4", "gptq", "awq")
+WARM, COLD = "warm", "cold, no prefetch"
+PREFILLS = ("in RAM", "cold", "read")
 QUANTIZED = FORMATS[1:]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _MIDPOINTS = (E2M1_VALUES[1:8] + E2M1_VALUES[0:7]) / 2
@@ -240,15 +244,46 @@ def cold_load_bytes(path: Path) -> dict[int, float]:
     return out
 
 
+def experts_out(leases: Any, h: np.ndarray, compute: str, threads: int) -> np.ndarray:
+    """The sum of the leased experts applied to h (1, hidden): one native
+    kernel call for the group, or (numpy) each expert dequantized and
+    multiplied, as colibri's engines did before the kernels."""
+    if compute == "native":
+        xs = np.repeat(h, len(leases), axis=0)
+        return leases.ffn(xs, [1] * len(leases), threads=threads).sum(axis=0, keepdims=True)
+    y = np.zeros_like(h)
+    for ex in leases:
+        w = colibri.dequantize(ex)
+        g, u = h @ w["gate"].T, h @ w["up"].T
+        y += (g / (1 + np.exp(-g)) * u) @ w["down"].T
+        del w
+    return y
+
+
+def open_for(path: Path, experts: int, *, slots: int, warm: bool, workers: int) -> colibri.Store:
+    """A cold store (O_DIRECT, ``slots`` per layer), or a warm one: every
+    expert loaded before it is used (slots for all of them)."""
+    if not warm:
+        return colibri.open_store(path, slots_per_layer=slots, prefetch_workers=workers,
+                                  direct_io=True, slot_wait_timeout=60.0)
+    layers = scan_model(path).layers
+    store = colibri.open_store(path, slots_per_layer=experts, prefetch_workers=2, direct_io=True,
+                               warm=[(l, e) for l in layers for e in range(experts)],
+                               slot_wait_timeout=60.0)
+    store.wait_idle(timeout=600.0)
+    return store
+
+
 def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: float | None,
-           hidden: int, experts: int, seed: int, load_bytes: dict[int, float]) -> dict[str, float]:
+           warm: bool, compute: str, threads: int, hidden: int, experts: int, seed: int,
+           load_bytes: dict[int, float]) -> dict[str, float]:
     layers = len(trace[0])
     top_k = len(trace[0][0])
     rng = random.Random(seed)
     x = np.random.default_rng(seed).standard_normal((1, hidden)).astype(np.float32)
-    io_wait = compute = 0.0
-    with colibri.open_store(path, slots_per_layer=slots, prefetch_workers=2 if pilot_p else 0,
-                            direct_io=True, slot_wait_timeout=60.0) as store:
+    io_wait = compute_s = 0.0
+    with open_for(path, experts, slots=slots, warm=warm, workers=2 if pilot_p else 0) as store:
+        before = store.stats()
         pilot = None
         if pilot_p is not None:
             routers = {l: np.eye(experts, hidden, dtype=np.float32) for l in store.layers}
@@ -272,17 +307,13 @@ def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: flo
                         for rank, e in enumerate(guess):
                             hint[0, e] = max(hint[0, e], 2.0 - 0.1 * rank)
                         pilot.predict_next(layer, hint)
-                    y = np.zeros_like(h)
-                    for ex in leases:
-                        w = colibri.dequantize(ex)
-                        g, u = h @ w["gate"].T, h @ w["up"].T
-                        y += (g / (1 + np.exp(-g)) * u) @ w["down"].T
-                        del w
-                    compute += time.perf_counter() - t1
+                    y = experts_out(leases, h, compute, threads)
+                    compute_s += time.perf_counter() - t1
                 h = h + 0.01 * y
         total = time.perf_counter() - start
         store.wait_idle(timeout=60.0)
         stats = store.stats()
+        assert not warm or stats.misses == before.misses, "a warm decode missed"
         per_layer = {layer: store.layer_stats(layer) for layer in store.layers}
     n = len(trace)
 
@@ -295,7 +326,7 @@ def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: flo
     useful = mb("prefetch_hits")            # prefetches a lease used were read in full
     wrong = mb("prefetched") - useful       # loads started for wrong guesses, if read in full
     return {"ms_per_token": 1e3 * total / n, "io_ms_per_token": 1e3 * io_wait / n,
-            "compute_ms_per_token": 1e3 * compute / n, "tokens_per_s": n / total,
+            "compute_ms_per_token": 1e3 * compute_s / n, "tokens_per_s": n / total,
             "mb_per_token": read, "demand_mb_per_token": demand,
             "prefetch_mb_per_token": read - demand, "wasted_mb_per_token": read - demand - useful,
             # timing-free: every load the store started (demand misses and accepted
@@ -307,6 +338,30 @@ def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: flo
             "hit_rate": stats.hit_rate, "prefetch_hit_rate": stats.prefetch_hit_rate}
 
 
+def prefill(path: Path, prompt: list[list[list[int]]], *, slots: int, warm: bool, hidden: int,
+            experts: int, seed: int) -> float:
+    """Seconds of one forward over the prompt through colibri.moe (each
+    layer's union streamed through its slots, each lease group one kernel
+    call): cold at ``slots`` per layer with 2 I/O workers, or warm."""
+    x = np.random.default_rng(seed).standard_normal((len(prompt), hidden)).astype(np.float32)
+    with open_for(path, experts, slots=slots, warm=warm, workers=2) as store:
+        start = time.perf_counter()
+        h = x
+        for layer in range(len(prompt[0])):
+            idx = np.array([token[layer] for token in prompt])
+            h = h + 0.01 * moe.experts_forward(store, layer, h, idx, np.ones(idx.shape, np.float32))
+        return time.perf_counter() - start
+
+
+def touched(prompt: list[list[list[int]]]) -> dict[int, set[int]]:
+    """The experts each layer of the prompt's routing chose."""
+    out: dict[int, set[int]] = {}
+    for token in prompt:
+        for layer, chosen in enumerate(token):
+            out.setdefault(layer, set()).update(chosen)
+    return out
+
+
 def payload_split(path: Path) -> tuple[float, float]:
     """(bytes of weight values, bytes of scales and biases) of one expert."""
     model = scan_model(path)
@@ -315,7 +370,7 @@ def payload_split(path: Path) -> tuple[float, float]:
     return float(values), float(ex.nbytes - values)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=16)
@@ -325,94 +380,180 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=128, help="int4, GPTQ and AWQ group size")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--prompt", type=int, default=PROMPT_TOKENS, help="prefill prompt tokens (0: no prefill)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--p", type=float, default=0.72, help="PILOT's one-layer-ahead accuracy")
     ap.add_argument("--skew", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--compute", choices=("native", "numpy"), default="native",
+                    help="the experts' compute: colibri's kernels from the slots, or numpy on "
+                         "colibri.dequantize (the engines' path before the kernels)")
+    ap.add_argument("--threads", type=int, default=1, help="kernel threads (native compute)")
     ap.add_argument("--dir", default=None, help="where to write the models (default: a temp dir in /tmp)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.experts, args.hidden, args.intermediate = 3, 8, 256, 128
-        args.tokens, args.rounds = 6, 1
+        args.tokens, args.rounds, args.prompt = 6, 1, 32
+    return args
+
+
+DecodeKey = tuple[str, str]
+
+
+def run_rounds(args: argparse.Namespace, paths: dict[str, Path], modes: dict[str, Any],
+               load_bytes: dict[str, dict[int, float]]) -> tuple[dict[DecodeKey, list[dict[str, float]]],
+                                                                 dict[DecodeKey, list[dict[str, float]]],
+                                                                 dict[str, list[dict[str, float]]]]:
+    """Every decode configuration and every format's prefill (in RAM, cold,
+    and the O_DIRECT read of the experts the prompt touches), shuffled per
+    round. Returns the decode results, their ratios to bf16 (same round and
+    mode), and the prefill figures per format."""
+    trace = zipf_trace(args.tokens, args.layers, args.experts, args.top_k, args.skew, args.seed)
+    prompt = zipf_trace(args.prompt, args.layers, args.experts, args.top_k, args.skew, args.seed + 7)
+    configs = [(f, m) for f in FORMATS for m in modes]
+    jobs: list[tuple[str, str]] = configs + ([(f, p) for f in FORMATS for p in PREFILLS]
+                                             if args.prompt else [])
+    results: dict[DecodeKey, list[dict[str, float]]] = {c: [] for c in configs}
+    ratios: dict[DecodeKey, list[dict[str, float]]] = {c: [] for c in configs}
+    prefills: dict[str, list[dict[str, float]]] = {f: [] for f in FORMATS}
+    for r in range(args.rounds):
+        order = jobs[:]
+        random.Random(1000 + r).shuffle(order)
+        done: dict[tuple[str, str], Any] = {}
+        for fmt, what in order:
+            if what in PREFILLS:
+                done[(fmt, what)] = (direct_read_time(paths[fmt], touched(prompt)).seconds
+                                     if what == "read" else
+                                     prefill(paths[fmt], prompt, slots=args.slots, warm=what == "in RAM",
+                                             hidden=args.hidden, experts=args.experts, seed=args.seed + r))
+                continue
+            mode = modes[what]
+            done[(fmt, what)] = decode(paths[fmt], trace, slots=args.slots, pilot_p=mode["p"],
+                                       warm=mode["warm"], compute=args.compute, threads=args.threads,
+                                       hidden=args.hidden, experts=args.experts, seed=args.seed + r,
+                                       load_bytes=load_bytes[fmt])
+        for fmt, mode in configs:
+            res, base = done[(fmt, mode)], done[("bf16", mode)]
+            results[(fmt, mode)].append(res)
+            rat = {k: res[k] / base[k] if base[k] else 1.0 for k in (
+                "mb_per_token", "demand_mb_per_token", "issued_mb_per_token", "io_ms_per_token",
+                "ms_per_token", "tokens_per_s")}
+            if not modes[mode]["warm"]:
+                # this format's own PILOT cost in bytes: its row over its cold no-prefetch row
+                rat["pilot_over_off"] = res["mb_per_token"] / done[(fmt, COLD)]["mb_per_token"]
+            ratios[(fmt, mode)].append(rat)
+        if args.prompt:
+            for fmt in FORMATS:
+                ram, cold, read = (done[(fmt, p)] for p in PREFILLS)
+                prefills[fmt].append({"in_ram_s": ram, "cold_s": cold, "read_s": read,
+                                      "ratio": prefill_ratio(cold, ram, read)})
+    return results, ratios, prefills
+
+
+def med(values: list[dict[str, float]], key: str) -> float:
+    return statistics.median(v[key] for v in values)
+
+
+def decode_rows(configs: list[DecodeKey], modes: dict[str, Any], results: Any, ratios: Any) -> list[tuple[str, ...]]:
+    rows = []
+    for fmt, mode in configs:
+        res, rat = results[(fmt, mode)], ratios[(fmt, mode)]
+        cold = not modes[mode]["warm"]
+        rows.append((f"{fmt:<6} {mode}", f"{med(res, 'mb_per_token'):.2f}",
+                     f"{med(rat, 'mb_per_token'):.3f}" if cold else "-",
+                     f"{med(res, 'demand_mb_per_token'):.2f}",
+                     f"{med(rat, 'demand_mb_per_token'):.3f}" if cold else "-",
+                     *((f"{max(med(res, 'prefetch_mb_per_token'), 0.0):.2f} "
+                        f"({max(med(res, 'wasted_mb_per_token'), 0.0):.2f})",
+                        f"{med(res, 'wrong_read_share'):.2f}", f"{med(rat, 'issued_mb_per_token'):.3f}",
+                        f"{med(rat, 'pilot_over_off'):.2f}") if modes[mode]["p"] is not None
+                       else ("-", "-", "-", "-")),
+                     f"{med(res, 'io_ms_per_token'):.1f}", f"{med(rat, 'io_ms_per_token'):.2f}",
+                     f"{med(res, 'compute_ms_per_token'):.2f}", f"{med(res, 'tokens_per_s'):.2f}",
+                     f"{med(rat, 'tokens_per_s'):.2f}", f"{med(res, 'hit_rate'):.2f}"))
+    return rows
+
+
+def check_bytes(goals: Goals, paths: dict[str, Path], results: Any, pilot_mode: str) -> None:
+    """A 4-bit format's MB per token is within 1.1x of a quarter of bf16's
+    plus its scales and biases (cold: without prefetch, and PILOT's demand
+    and issued bytes)."""
+    bf16_values, _ = payload_split(paths["bf16"])
+    for fmt in QUANTIZED:
+        values, extra = payload_split(paths[fmt])
+        bound = bf16_values / 4 + extra        # a quarter of bf16's bytes plus this format's scales, per expert
+
+        def against_bound(mode: str, key: str) -> float:
+            return statistics.median(res[key] / base[key] * bf16_values / bound
+                                     for res, base in zip(results[(fmt, mode)], results[("bf16", mode)]))
+
+        for mode, key, what in ((COLD, "mb_per_token", "MB read"),
+                                (pilot_mode, "demand_mb_per_token", "demand MB"),
+                                (pilot_mode, "issued_mb_per_token", "issued MB")):
+            measured = against_bound(mode, key)
+            goals.check(f"{fmt} {what}/token vs bf16/4 + scales ({mode})", measured, "<= 1.1",
+                        measured <= 1.1, f"{measured:.3f}x (scales+biases {extra / bound:.1%})")
+        read = against_bound(pilot_mode, "mb_per_token")
+        share = med(results[(fmt, pilot_mode)], "wrong_read_share")
+        base_share = med(results[("bf16", pilot_mode)], "wrong_read_share")
+        print(f"{fmt}: MB read/token with PILOT is {read:.3f}x bf16/4 + scales; its wrong guesses were "
+              f"{share:.0%} read before being retired, bf16's {base_share:.0%}")
+
+
+def check_speed(goals: Goals, ratios: Any, prefills: dict[str, list[dict[str, float]]],
+                pilot_mode: str) -> None:
+    """Warm, each 4-bit format decodes at least 1.3x bf16's tokens/s; cold
+    with PILOT at least 1.5x; each format's prefill at the limit within 1.3x
+    of the larger of its in-RAM prefill and the O_DIRECT read of its experts."""
+    for fmt in QUANTIZED:
+        for mode, goal in ((WARM, 1.3), (pilot_mode, 1.5)):
+            x = med(ratios[(fmt, mode)], "tokens_per_s")
+            goals.check(f"{fmt} tokens/s vs bf16 ({mode})", x, f">= {goal}", x >= goal, f"{x:.2f}x")
+    for fmt, rows in prefills.items():
+        if rows:
+            x = med(rows, "ratio")
+            goals.check(f"{fmt} prefill at the limit vs max(in RAM, O_DIRECT read)", x,
+                        f"<= {PREFILL_GOAL}", x <= PREFILL_GOAL, f"{x:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    kernels.set_threads(args.threads)
     root = Path(args.dir or tempfile.mkdtemp(prefix="colibri_formats_", dir="/tmp"))
     try:
         paths = write_models(root, args.layers, args.experts, args.hidden, args.intermediate,
                              args.group, args.seed)
         load_bytes = {fmt: cold_load_bytes(path) for fmt, path in paths.items()}
-        trace = zipf_trace(args.tokens, args.layers, args.experts, args.top_k, args.skew, args.seed)
-        pilot_mode = f"PILOT p={args.p}"
-        modes = {"no prefetch": None, pilot_mode: args.p}
+        pilot_mode = f"cold, PILOT p={args.p}"
+        modes = {WARM: {"p": None, "warm": True}, COLD: {"p": None, "warm": False},
+                 pilot_mode: {"p": args.p, "warm": False}}
+        results, ratios, prefills = run_rounds(args, paths, modes, load_bytes)
         configs = [(f, m) for f in FORMATS for m in modes]
-        results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
-        ratios: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
-        for r in range(args.rounds):
-            order = configs[:]
-            random.Random(1000 + r).shuffle(order)
-            round_results = {}
-            for fmt, mode in order:
-                round_results[(fmt, mode)] = decode(paths[fmt], trace, slots=args.slots,
-                                                    pilot_p=modes[mode], hidden=args.hidden,
-                                                    experts=args.experts, seed=args.seed + r,
-                                                    load_bytes=load_bytes[fmt])
-            for (fmt, mode), res in round_results.items():
-                base = round_results[("bf16", mode)]
-                results[(fmt, mode)].append(res)
-                rat = {k: res[k] / base[k] for k in ("mb_per_token", "demand_mb_per_token",
-                                                     "issued_mb_per_token", "io_ms_per_token",
-                                                     "ms_per_token")}
-                # this format's own PILOT cost in bytes: PILOT row over its no-prefetch row
-                rat["pilot_over_off"] = res["mb_per_token"] / round_results[(fmt, "no prefetch")]["mb_per_token"]
-                ratios[(fmt, mode)].append(rat)
-
-        def med(values: list[dict[str, float]], key: str) -> float:
-            return statistics.median(v[key] for v in values)
-
-        rows = []
-        for fmt, mode in configs:
-            res, rat = results[(fmt, mode)], ratios[(fmt, mode)]
-            rows.append((f"{fmt:<6} {mode}", f"{med(res, 'mb_per_token'):.2f}", f"{med(rat, 'mb_per_token'):.3f}",
-                         f"{med(res, 'demand_mb_per_token'):.2f}", f"{med(rat, 'demand_mb_per_token'):.3f}",
-                         *((f"{max(med(res, 'prefetch_mb_per_token'), 0.0):.2f} "
-                            f"({max(med(res, 'wasted_mb_per_token'), 0.0):.2f})",
-                            f"{med(res, 'wrong_read_share'):.2f}", f"{med(rat, 'issued_mb_per_token'):.3f}",
-                            f"{med(rat, 'pilot_over_off'):.2f}") if modes[mode] is not None
-                           else ("-", "-", "-", "-")),
-                         f"{med(res, 'io_ms_per_token'):.1f}", f"{med(rat, 'io_ms_per_token'):.2f}",
-                         f"{med(res, 'compute_ms_per_token'):.1f}", f"{med(res, 'tokens_per_s'):.2f}",
-                         f"{med(rat, 'ms_per_token'):.2f}", f"{med(res, 'hit_rate'):.2f}"))
-        print(table(f"decode, cold (O_DIRECT), {args.layers} layers x {args.experts} experts, top-{args.top_k}, "
-                    f"{args.slots} slots/layer, H={args.hidden} I={args.intermediate}, "
-                    f"median of {args.rounds} rounds",
-                    ("format / prefetch", "MB read/token", "x bf16", "demand MB", "x bf16",
+        rows = decode_rows(configs, modes, results, ratios)
+        print(table(f"decode ({args.compute} compute, {args.threads} thread(s)), {args.layers} layers x "
+                    f"{args.experts} experts, top-{args.top_k}, {args.slots} slots/layer cold (O_DIRECT), "
+                    f"H={args.hidden} I={args.intermediate}, median of {args.rounds} rounds",
+                    ("format / mode", "MB read/token", "x bf16", "demand MB", "x bf16",
                      "prefetch MB (wasted)", "wrong read", "issued x bf16", "x own no-prefetch",
-                     "I/O ms/token", "x bf16", "compute ms", "tokens/s", "time x bf16", "hit rate"), rows))
+                     "I/O ms/token", "x bf16", "compute ms", "tokens/s", "tokens/s x bf16", "hit rate"),
+                    rows))
+        prefill_rows = [(fmt, f"{med(r, 'in_ram_s'):.3f}", f"{med(r, 'cold_s'):.3f}",
+                         f"{med(r, 'read_s'):.3f}", f"{med(r, 'ratio'):.2f}")
+                        for fmt, r in prefills.items() if r]
+        if prefill_rows:
+            print(table(f"prefill of {args.prompt} tokens (native compute): in RAM (every expert "
+                        f"cached), cold at {args.slots} slots/layer (O_DIRECT, 2 I/O workers), and the "
+                        "O_DIRECT read of the experts it touches; seconds",
+                        ("format", "in RAM s", "cold s", "read s", "cold / max(RAM, read)"),
+                        prefill_rows))
         goals = Goals()
-        bf16_values, _ = payload_split(paths["bf16"])
-        for fmt in QUANTIZED:
-            values, extra = payload_split(paths[fmt])
-            # a quarter of bf16's bytes plus this format's scales and biases, per expert
-            bound = bf16_values / 4 + extra
-            def against_bound(mode: str, key: str) -> float:
-                return statistics.median(
-                    res[key] / base[key] * bf16_values / bound
-                    for res, base in zip(results[(fmt, mode)], results[("bf16", mode)]))
-
-            for mode, key, what in (("no prefetch", "mb_per_token", "MB read"),
-                                    (pilot_mode, "demand_mb_per_token", "demand MB"),
-                                    (pilot_mode, "issued_mb_per_token", "issued MB")):
-                measured = against_bound(mode, key)
-                goals.check(f"{fmt} {what}/token vs bf16/4 + scales ({mode})", measured, "<= 1.1",
-                            measured <= 1.1, f"{measured:.3f}x (scales+biases {extra / bound:.1%})")
-            read = against_bound(pilot_mode, "mb_per_token")
-            share = statistics.median(r["wrong_read_share"] for r in results[(fmt, pilot_mode)])
-            base_share = statistics.median(r["wrong_read_share"] for r in results[("bf16", pilot_mode)])
-            print(f"{fmt}: MB read/token with PILOT is {read:.3f}x bf16/4 + scales; its wrong guesses were "
-                  f"{share:.0%} read before being retired, bf16's {base_share:.0%}")
+        check_bytes(goals, paths, results, pilot_mode)
+        check_speed(goals, ratios, prefills, pilot_mode)
         print()
         print(goals.render())
         write_json("decode_formats", {"args": vars(args), "rows": [list(r) for r in rows],
-                                      "goals": goals.items})
+                                      "prefill": [list(r) for r in prefill_rows], "goals": goals.items})
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -20,7 +20,7 @@ from colibri.errors import (
 )
 from colibri.dequant import dequantize
 from colibri.checkpoint.naming import Layout, StackedLayout
-from colibri.kernels import expert_ffn
+from colibri.kernels import expert_ffn, experts_ffn
 from colibri.pilot import Pilot, PilotReport
 from colibri.stats import StoreStats
 from colibri.store import POLICIES, ExpertLease, LeaseGroup, Store, open_store
@@ -42,6 +42,7 @@ __all__ = [
     "StackedLayout",
     "dequantize",
     "expert_ffn",
+    "experts_ffn",
     "Pilot",
     "PilotReport",
     "Trace",

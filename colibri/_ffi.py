@@ -4,7 +4,7 @@ from __future__ import annotations
 
 try:
     from colibri._colibri_cffi import ffi, lib
-    from colibri._lease import LeaseBase, Leaser, Tenancies, Tenancy
+    from colibri._lease import LeaseBase, Leaser, Tenancies, Tenancy, copy_views
 except ImportError as exc:  # pragma: no cover - only on a broken install
     raise ImportError(
         "colibri's C core is not built; install the package with `pip install .` "
@@ -14,4 +14,4 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "that the uncompiled source folder does not shadow the installed package"
     ) from exc
 
-__all__ = ["ffi", "lib", "LeaseBase", "Leaser", "Tenancies", "Tenancy"]
+__all__ = ["ffi", "lib", "LeaseBase", "Leaser", "Tenancies", "Tenancy", "copy_views"]

@@ -2,8 +2,9 @@
 with its routed experts streamed by colibri, printing the text as it comes.
 
 The text (prompt and continuation, as ``tokenizer.decode`` gives it) goes to
-stdout through transformers' ``TextStreamer``; the prefill progress and the
-closing summary (tokens/s, hit rate, prefetch precision) go to stderr, so
+stdout through transformers' ``TextStreamer``; the prefill progress (layer
+by layer, with the time so far) and the closing summary (prefill and decode
+tokens/s, hit rate, prefetch precision) go to stderr, so
 ``colibri generate ... > out.txt`` keeps only the text. Decoding is greedy.
 """
 
@@ -34,6 +35,9 @@ def add_parser(sub: Any) -> None:
                         help="RAM for the expert cache in GiB, split evenly across MoE layers")
     budget.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer")
     g.add_argument("--prefetch", choices=["pilot", "off"], default="pilot")
+    g.add_argument("--kernels", choices=["native", "torch"], default="native",
+                   help="compute the routed experts with colibri's kernels from the slots (native), "
+                        "or dequantize each one into torch tensors (torch: for comparison)")
     g.add_argument("--stats", action="store_true", help="print every store counter and the PILOT report")
     g.add_argument("--trace", metavar="FILE", default=None,
                    help="record the routing of every token (prompt and new) as a colibri.Trace .npz")
@@ -45,15 +49,17 @@ class _Prefill:
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
+        self.start = time.perf_counter()      # reset when generate starts
         self.first_done: float | None = None
         self._open = False
 
     def __call__(self, p: Any) -> None:
         if p.tokens > 1:
             # The streamer has printed the prompt on stdout: start below it.
+            elapsed = time.perf_counter() - self.start
             self.out.write(("\r" if self._open else "\n")
                            + f"prefill: {p.tokens} tokens, MoE layer {p.position + 1}/{p.layers}, "
-                           f"{p.experts} experts in {p.groups} lease group(s)   ")
+                           f"{p.experts} experts in {p.groups} lease group(s), {elapsed:.1f} s   ")
             self.out.flush()
             self._open = True
         if p.position == p.layers - 1:
@@ -115,14 +121,14 @@ def run(args: argparse.Namespace) -> int:
         budget["slots_per_layer"] = args.slots
     err = sys.stderr
     t0 = time.perf_counter()
-    model = hf.from_pretrained(args.model_dir, prefetch=args.prefetch, **budget)
+    model = hf.from_pretrained(args.model_dir, prefetch=args.prefetch, kernels=args.kernels, **budget)
     runtime = hf.runtime_of(model)
     try:
         load_s = time.perf_counter() - t0
         store = runtime.store
         print(f"colibri: {type(model).__name__}, {len(runtime.moe_layers)} MoE layers, "
               f"{store.slots(runtime.moe_layers[0])} slots per layer, prefetch {args.prefetch}, "
-              f"loaded in {load_s:.1f} s", file=err)
+              f"{args.kernels} kernels, loaded in {load_s:.1f} s", file=err)
         prefill = _Prefill(err)
         runtime.progress = prefill
         recorder = routing = None
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         inputs = tokenizer(args.prompt, return_tensors="pt")
         prompt_tokens = int(inputs["input_ids"].shape[1])
         streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-        start = time.perf_counter()
+        start = prefill.start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
                                  streamer=streamer, pad_token_id=tokenizer.pad_token_id)
@@ -149,8 +155,10 @@ def run(args: argparse.Namespace) -> int:
         stats = store.stats()
         pilot = runtime.pilot.report() if runtime.pilot is not None else None
         precision = f"{pilot.precision:.1%}" if pilot is not None else "off"
-        print(f"colibri: {new_tokens} new tokens; prefill {prompt_tokens} tokens in {first - start:.2f} s; "
-              f"decode {decode_rate:.2f} tokens/s; hit rate {stats.hit_rate:.1%}; "
+        prefill_s = first - start
+        prefill_rate = prompt_tokens / prefill_s if prefill_s > 0 else 0.0
+        print(f"colibri: {new_tokens} new tokens; prefill {prompt_tokens} tokens in {prefill_s:.2f} s "
+              f"({prefill_rate:.1f} tokens/s); decode {decode_rate:.2f} tokens/s; hit rate {stats.hit_rate:.1%}; "
               f"prefetch precision {precision}; read {stats.bytes_read / 2**20:.1f} MiB", file=err)
         if args.stats:
             print("store stats:", file=err)

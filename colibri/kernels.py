@@ -1,12 +1,19 @@
 """Native expert kernels: a leased expert's FFN computed from its bytes as stored.
 
-:func:`expert_ffn` runs ``down(act(gate x + b_gate, up x + b_up)) + b_down``
-for a batch of tokens routed to one expert, for every format the store
-reads (BF16, F16, F32, FP8 with or without block scales, MXFP4,
-compressed-tensors int4, GPTQ, AWQ), straight from the lease's parts: no
-float copy of the weights is made. Inputs and outputs are float32 or
-bfloat16, numpy (bfloat16 through ml_dtypes) or torch CPU tensors, used in
-place. The C call releases the GIL.
+:func:`expert_ffn` (also ``lease.ffn(x)``) runs ``down(act(gate x + b_gate,
+up x + b_up)) + b_down`` for a batch of tokens routed to one expert, for
+every format the store reads (BF16, F16, F32, FP8 with or without block
+scales, MXFP4, compressed-tensors int4, GPTQ, AWQ), straight from the
+lease's slot: no float copy of the weights is made. :func:`experts_ffn`
+(also ``group.ffn(x, counts)``) does several leased experts of one layer in
+one call, each on its own rows. Inputs and outputs are float32 or bfloat16,
+numpy (bfloat16 through ml_dtypes) or torch CPU tensors, used in place.
+
+The store fills the kernels' description of each expert from the slot in C
+(``coli_store_expert_ffn``): Python only checks the operands. The C call
+releases the GIL and holds the leases' slots while it computes. Threads:
+``threads=`` per call, else ``torch.get_num_threads()`` for torch tensors,
+else :func:`set_threads`'s number (default: the CPUs this process may use).
 
 The instruction-set path (``"scalar"``, ``"avx2"``, ``"avx512"``,
 ``"neon"``) is the best the CPU runs, unless the ``COLIBRI_KERNEL_ISA``
@@ -18,34 +25,37 @@ the tiles and how a format's kernel is added.
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
 
-from colibri._ffi import ffi, lib
+from colibri._ffi import LeaseBase, copy_views, ffi, lib
 from colibri.errors import ColibriError, error_for
-from colibri.checkpoint.experts import CONCATENATED, INTERLEAVED, ROLES, ExpertTensors
+from colibri.checkpoint.experts import ExpertTensors
 from colibri.formats import GPTQ
 
-__all__ = ["expert_ffn", "ACTIVATIONS", "ISAS", "available_isas", "default_isa", "set_isa",
-           "kernel_name"]
+__all__ = ["expert_ffn", "experts_ffn", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
+           "set_isa", "kernel_name", "set_threads", "default_threads"]
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gpt_oss")
 ISAS: tuple[str, ...] = tuple(ffi.string(lib.coli_ffn_isa_name(i)).decode()
                               for i in range(lib.COLI_FFN_N_ISA))
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
-_FUSED = {None: lib.COLI_FFN_SEPARATE, CONCATENATED: lib.COLI_FFN_CONCATENATED,
-          INTERLEAVED: lib.COLI_FFN_INTERLEAVED}
 _CODES = {_F32: lib.COLI_TENSOR_F32, _BF16: lib.COLI_TENSOR_BF16}
 _BIAS_FORMATS = {np.dtype(np.float32): lib.COLI_TENSOR_F32, np.dtype(np.float16): lib.COLI_TENSOR_F16,
                  _BF16: lib.COLI_TENSOR_BF16}
+_ERR_LEN: int = lib.COLI_ERR_LEN
+_VIEW_SIZE: int = ffi.sizeof("ColiExpertView")
 
 _state_lock = threading.Lock()
 _forced: int | None = None                # set_isa's choice; None: the process default
+_threads: int | None = None               # set_threads's choice; None: the CPUs we may use
 _pools: dict[int, Any] = {}               # threads -> ColiComputePool *
 
 
@@ -84,6 +94,41 @@ def set_isa(name: str | None) -> None:
         _forced = number
 
 
+def _cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(threads: int | None) -> None:
+    """The compute threads of calls on numpy arrays that give no ``threads=``
+    (None: the CPUs this process may run on). Calls on torch tensors follow
+    ``torch.get_num_threads()``."""
+    global _threads
+    if threads is not None:
+        _check_threads(threads)
+    with _state_lock:
+        _threads = threads
+
+
+def default_threads(torch_operand: bool = False) -> int:
+    """The threads a call without ``threads=`` uses: ``torch.get_num_threads()``
+    for torch tensors, else :func:`set_threads`'s number, else the CPUs this
+    process may run on."""
+    if torch_operand:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            return int(torch.get_num_threads())
+    return _threads if _threads is not None else _cpus()
+
+
+def _check_threads(threads: Any) -> int:
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
+        raise ValueError(f"threads must be an int from 1 to 256, not {threads!r}")
+    return threads
+
+
 def kernel_name(lease: Any, role: str = "gate", isa: str | None = None) -> str:
     """The kernel a path uses for a role of this lease (e.g. ``"int4/avx512"``)."""
     info: ExpertTensors = lease.tensors
@@ -98,6 +143,9 @@ def kernel_name(lease: Any, role: str = "gate", isa: str | None = None) -> str:
 def _pool(threads: int) -> Any:
     if threads == 1:
         return ffi.NULL
+    pool = _pools.get(threads)
+    if pool is not None:
+        return pool
     with _state_lock:
         pool = _pools.get(threads)
         if pool is None:
@@ -125,6 +173,9 @@ def _address(a: np.ndarray) -> int:
 
 
 def _fill_matrix(dst: Any, info: ExpertTensors, role: str, parts: dict[str, np.ndarray]) -> None:
+    """One matrix of a ``ColiFfnExpert`` built in Python from a lease's
+    arrays: what ``coli_store_ffn_expert`` fills in C, kept as an independent
+    construction for tests that break one field of a valid description."""
     name = "gate_up" if role == "gate" and info.fused else role
     data = parts[name]
     v = dst.view
@@ -162,63 +213,25 @@ def _fill_matrix(dst: Any, info: ExpertTensors, role: str, parts: dict[str, np.n
         dst.bias_bytes = bias.nbytes
 
 
-_POINTERS = (("view.data", ""), ("view.scales", "_scale"), ("zeros", "_zero"),
-             ("g_idx", "_g_idx"), ("bias", "_bias"))
-_EXPERT_SIZE = ffi.sizeof("ColiFfnExpert")
+# Per lease class (one per store) and layer: the hidden size.
+_hidden: "weakref.WeakKeyDictionary[type, dict[int, int]]" = weakref.WeakKeyDictionary()
 
 
-class _Template:
-    """A layer's ColiFfnExpert with every field its experts share filled in
-    (formats, shapes, blocks, flags, sizes), and where each part's address
-    goes: all experts of a store's layer are stored alike, so a call only
-    copies the bytes and writes the addresses."""
-
-    def __init__(self, info: ExpertTensors, parts: dict[str, np.ndarray]) -> None:
-        expert = ffi.new("ColiFfnExpert *")
-        expert.fused = _FUSED[info.fused]
-        pointers: list[tuple[int, str]] = []
-        for role in ROLES:
-            if role == "up" and info.fused:
-                continue
-            _fill_matrix(getattr(expert, role), info, role, parts)
-            name = "gate_up" if role == "gate" and info.fused else role
-            for field, suffix in _POINTERS:
-                if name + suffix in parts:
-                    pointers.append((ffi.offsetof("ColiFfnExpert", role, *field.split(".")) // 8,
-                                     name + suffix))
-        self.bytes = np.frombuffer(ffi.buffer(expert), dtype=np.uint8).copy()
-        self.pointers = tuple(pointers)
-        self.activation = ffi.offsetof("ColiFfnExpert", "activation")
-        self.alpha = ffi.offsetof("ColiFfnExpert", "alpha")
-        self.limit = ffi.offsetof("ColiFfnExpert", "limit")
+def _store_of(lease: Any, what: str) -> tuple[Any, int]:
+    """The C store handle of a colibri lease, and its layer's hidden size."""
+    handle = getattr(type(lease), "_store_handle", None)
+    if not isinstance(lease, LeaseBase) or handle is None:
+        raise TypeError(f"{what} must be a lease of a colibri store, not {type(lease).__name__}")
+    per_layer = _hidden.get(type(lease))
+    if per_layer is None:
+        per_layer = _hidden.setdefault(type(lease), {})
+    hidden = per_layer.get(lease.layer)
+    if hidden is None:
+        info: ExpertTensors = getattr(lease, "tensors")
         shape = info.shape("down")
         assert shape is not None
-        self.hidden = shape[1] if info.transposed else shape[0]
-
-    def fill(self, parts: dict[str, np.ndarray], activation: int, alpha: float,
-             limit: float) -> np.ndarray:
-        buf = self.bytes.copy()
-        words = buf.view(np.uint64)
-        for index, name in self.pointers:
-            words[index] = _address(parts[name])
-        buf[self.activation:self.activation + 4].view(np.int32)[0] = activation
-        buf[self.alpha:self.alpha + 4].view(np.float32)[0] = alpha
-        buf[self.limit:self.limit + 4].view(np.float32)[0] = limit
-        return buf
-
-
-# Per lease class (one per store) and layer.
-_templates: "weakref.WeakKeyDictionary[type, dict[int, _Template]]" = weakref.WeakKeyDictionary()
-
-
-def _template(lease: Any, parts: dict[str, np.ndarray]) -> _Template:
-    per_layer = _templates.get(type(lease))
-    if per_layer is None:
-        per_layer = _templates.setdefault(type(lease), {})
-    found = per_layer.get(lease.layer)
-    if found is None:
-        found = per_layer[lease.layer] = _Template(lease.tensors, parts)
-    return found
+        hidden = per_layer[lease.layer] = shape[1] if info.transposed else shape[0]
+    return handle, hidden
 
 
 class _Operand:
@@ -274,6 +287,39 @@ def _overlap(a: _Operand, b: _Operand) -> bool:
     return a.address < b.address + b.nbytes_span and b.address < a.address + a.nbytes_span
 
 
+def _operands(x: Any, out: Any, hidden: int) -> tuple[_Operand, _Operand, Any]:
+    """x and out (made like x when None), checked against each other."""
+    xo = _Operand(x, "x", hidden, writable=False)
+    if out is None:
+        out = _new_like(xo)
+    oo = _Operand(out, "out", hidden, writable=True)
+    if oo.torch != xo.torch or oo.tokens != xo.tokens or len(oo.shape) != len(xo.shape):
+        raise ValueError(f"out ({type(out).__name__} {list(oo.shape)}) must be the same kind and "
+                         f"shape as x ({type(x).__name__} {list(xo.shape)})")
+    if _overlap(xo, oo):
+        raise ValueError("out overlaps x")
+    return xo, oo, out
+
+
+def _run(handle: Any, views: Any, count: int, rows: Any, xo: _Operand, oo: _Operand,
+         activation: str, threads: int | None, isa: str | None, alpha: float, limit: float) -> None:
+    """One coli_store_expert_ffn call (the GIL is released for it)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
+    threads = default_threads(xo.torch) if threads is None else _check_threads(threads)
+    number = _isa_number(isa) if isa is not None else (
+        _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
+    call = ffi.new("ColiFfnCall *", {
+        "x": ffi.cast("const void *", xo.address), "x_format": xo.code, "x_stride": xo.stride,
+        "out": ffi.cast("void *", oo.address), "out_format": oo.code, "out_stride": oo.stride,
+        "tokens": xo.tokens, "isa": number})
+    err = ffi.new("char[]", _ERR_LEN)
+    rc = lib.coli_store_expert_ffn(handle, views, count, rows, call, ACTIVATIONS.index(activation),
+                                   alpha, limit, _pool(threads), err, _ERR_LEN)
+    if rc < 0:
+        raise error_for(rc, ffi.string(err).decode(errors="replace"))
+
+
 def expert_ffn(lease: Any, x: Any, *, activation: str = "silu", out: Any = None,
                threads: int | None = None, isa: str | None = None, alpha: float = 1.702,
                limit: float = 7.0) -> Any:
@@ -286,47 +332,64 @@ def expert_ffn(lease: Any, x: Any, *, activation: str = "silu", out: Any = None,
     sigmoid(alpha * gate)``). Biases are added where the checkpoint has them.
     ``out``: where to write the result (same shape and kind as ``x``,
     float32 or bfloat16); by default a new array of ``x``'s dtype.
-    ``threads``: the compute threads (default: ``torch.get_num_threads()``
-    for a torch input, else 1). ``isa``: force a path for this call.
-    Returns ``out``.
+    ``threads``: the compute threads (default: :func:`default_threads`).
+    ``isa``: force a path for this call. Returns ``out``. A released lease
+    is a :class:`~colibri.LeaseError`.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
-    parts = lease.parts
-    template = _template(lease, parts)
-    hidden = template.hidden
-    xo = _Operand(x, "x", hidden, writable=False)
-    if out is None:
-        out = _new_like(xo)
-    oo = _Operand(out, "out", hidden, writable=True)
-    if oo.torch != xo.torch or oo.tokens != xo.tokens or len(oo.shape) != len(xo.shape):
-        raise ValueError(f"out ({type(out).__name__} {list(oo.shape)}) must be the same kind and "
-                         f"shape as x ({type(x).__name__} {list(xo.shape)})")
-    if _overlap(xo, oo):
-        raise ValueError("out overlaps x")
-    if threads is None:
-        import sys
-
-        torch = sys.modules.get("torch")
-        threads = int(torch.get_num_threads()) if xo.torch and torch is not None else 1
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, not {threads!r}")
-    number = _isa_number(isa) if isa is not None else (
-        _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
-
-    buf = template.fill(parts, ACTIVATIONS.index(activation), alpha, limit)
-    expert = ffi.from_buffer("ColiFfnExpert *", buf)
-    call = ffi.new("ColiFfnCall *")
-    call.x = ffi.cast("const void *", xo.address)
-    call.x_format, call.x_stride = xo.code, xo.stride
-    call.out = ffi.cast("void *", oo.address)
-    call.out_format, call.out_stride = oo.code, oo.stride
-    call.tokens = xo.tokens
-    call.isa = number
-    err = ffi.new("char[]", 512)
-    rc = lib.coli_expert_ffn(expert, call, _pool(threads), err, 512)
-    del parts, buf
-    if rc < 0:
-        raise error_for(rc, f"expert ({lease.layer}, {lease.expert}): "
-                            + ffi.string(err).decode(errors="replace"))
+    handle, hidden = _store_of(lease, "lease")
+    xo, oo, out = _operands(x, out, hidden)
+    address = lease._view_address
+    if not address:
+        raise _released(lease)
+    _run(handle, ffi.cast("ColiExpertView *", address), 1, ffi.NULL, xo, oo, activation, threads,
+         isa, alpha, limit)
     return out
+
+
+def _released(lease: Any) -> ColibriError:
+    """The error for a kernel call on a released lease."""
+    return error_for(lib.COLI_ELEASE, f"layer {lease.layer} expert {lease.expert}: used after its "
+                                      "lease was released")
+
+
+def experts_ffn(leases: Sequence[Any], x: Any, counts: Sequence[int] | np.ndarray, *,
+                activation: str = "silu", out: Any = None, threads: int | None = None,
+                isa: str | None = None, alpha: float = 1.702, limit: float = 7.0) -> Any:
+    """Several leased experts of one layer (e.g. a :class:`~colibri.LeaseGroup`)
+    in one call, each on its own rows: ``leases[i]`` takes the next
+    ``counts[i]`` rows of ``x`` (``(tokens, hidden)``, ``tokens`` the sum of
+    ``counts``; a count may be 0) and writes the same rows of ``out``.
+    Operands and keywords as :func:`expert_ffn`. The experts are split over
+    the threads (whole experts, or one expert's output rows when it has a
+    thread's share of the rows or more). Returns ``out``.
+    """
+    n = len(leases)
+    if n == 0:
+        raise ValueError("experts_ffn needs at least one lease")
+    handle, hidden = _store_of(leases[0], "leases[0]")
+    for i in range(1, n):
+        if getattr(type(leases[i]), "_store_handle", None) is not handle:
+            raise ValueError(f"leases[{i}] is not a lease of leases[0]'s store")
+    xo, oo, out = _operands(x, out, hidden)
+    if len(xo.shape) != 2:
+        raise ValueError(f"x has shape {list(xo.shape)}; experts_ffn takes (tokens, {hidden})")
+    rows = _row_offsets(counts, n, xo.tokens)
+    views = ffi.new("ColiExpertView[]", n)
+    copy_views(leases, int(ffi.cast("uintptr_t", views)))
+    _run(handle, views, n, ffi.cast("int64_t *", rows.ctypes.data), xo, oo, activation, threads,
+         isa, alpha, limit)
+    return out
+
+
+def _row_offsets(counts: Sequence[int] | np.ndarray, n: int, tokens: int) -> np.ndarray:
+    """counts as n + 1 int64 offsets from 0 to tokens, checked."""
+    c = np.asarray(counts)
+    if c.shape != (n,) or (c.size and c.dtype.kind not in "iu"):
+        raise ValueError(f"counts must be {n} ints (one per lease), not {c.shape} {c.dtype}")
+    if c.size and int(c.min()) < 0:
+        raise ValueError(f"counts must be >= 0, not {c.tolist()}")
+    rows = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(c, out=rows[1:])
+    if int(rows[-1]) != tokens:
+        raise ValueError(f"counts add up to {int(rows[-1])} rows; x has {tokens}")
+    return rows

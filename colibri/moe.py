@@ -21,24 +21,59 @@ Three steps, usable separately:
   block are the engine's business, not the store's.
 
 Experts may be of any layout and format the store reads (fused gate_up,
-(in, out) orientation, block-scaled FP8, MXFP4, int4, GPTQ, AWQ), dequantized
-per leased expert with :func:`colibri.dequantize`; compute is float32.
+(in, out) orientation, block-scaled FP8, MXFP4, int4, GPTQ, AWQ): each lease
+group is computed by colibri's native kernels straight from the slots
+(:func:`colibri.experts_ffn`), in float32.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from colibri.dequant import dequantize as dequantize_lease
-from colibri.store import Store
+from colibri.kernels import experts_ffn
+from colibri.store import LeaseGroup, Store
 
-__all__ = ["route", "swiglu", "expert_weights", "experts_forward", "moe_layer"]
+__all__ = ["route", "swiglu", "expert_weights", "experts_forward", "moe_layer", "LayerStream"]
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+class LayerStream:
+    """The experts a layer needs, leased in groups its cache holds at once:
+    iterate to get each group leased (a :class:`~colibri.LeaseGroup`, all
+    or nothing), released when the loop moves on. ``len()`` is the number
+    of groups; ``groups`` lists them, in the order given.
+
+    A union that fits the layer's slots is one group. A larger one streams
+    through the cache once: with I/O workers (``prefetch_workers > 0``) and
+    two slots or more, in groups of half the slots, and while a group is
+    leased the next one is prefetched into the other half (a prefetch never
+    evicts a leased slot), so its reads overlap this group's compute;
+    without workers, in groups of all the slots, each read by its lease.
+    """
+
+    def __init__(self, store: Store, layer: int, experts: Sequence[int]) -> None:
+        self.store, self.layer = store, layer
+        slots = store.slots(layer)
+        self.streaming = len(experts) > slots > 1 and store.prefetch_workers > 0
+        size = slots // 2 if self.streaming else slots
+        self.groups = [list(experts[i:i + size]) for i in range(0, len(experts), size)]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[LeaseGroup]:
+        store, groups = self.store, self.groups
+        for g, group in enumerate(groups):
+            with store.lease_many(self.layer, group) as leased:
+                if self.streaming and g + 1 < len(groups):
+                    store.prefetch([(self.layer, e) for e in groups[g + 1]])
+                yield leased
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -130,29 +165,6 @@ def expert_weights(ex: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return weights["gate"], weights["up"], weights["down"]
 
 
-def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    return y if bias is None else y + bias
-
-
-def _expert(ex: Any, x: np.ndarray, activation: str, limit: float, alpha: float) -> np.ndarray:
-    """One expert applied to x (tokens, hidden)."""
-    if activation == "silu" and not ex.tensors.extras:
-        gate, up, down = expert_weights(ex)
-        y = swiglu(gate, up, down, x)
-        del gate, up, down  # no leased array outlives the lease
-        return y
-    w = dequantize_lease(ex)
-    g = _biased(x @ w["gate"].T, w.get("gate_bias"))
-    u = _biased(x @ w["up"].T, w.get("up_bias"))
-    if activation == "silu":
-        h = g / (1.0 + np.exp(-g)) * u
-    else:  # gpt-oss: clamped, with a sigmoid gate and up + 1
-        g = np.minimum(g, limit)
-        u = np.clip(u, -limit, limit)
-        h = (u + 1.0) * g * (0.5 + 0.5 * np.tanh(0.5 * alpha * g))  # sigmoid, without overflow
-    return np.asarray(_biased(h @ w["down"].T, w.get("down_bias")), dtype=np.float32)
-
-
 def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: np.ndarray,
                     top_k_weights: np.ndarray, *, activation: str = "silu",
                     weights_on_input: bool = False, swiglu_limit: float = 7.0,
@@ -167,9 +179,9 @@ def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: n
     where the checkpoint has them) or ``"gpt_oss"`` (gate clamped at
     ``swiglu_limit``, up to +-``swiglu_limit``, ``down((up + 1) * gate *
     sigmoid(swiglu_alpha * gate))``). Experts of any layout and format are
-    dequantized per leased expert. Every expert chosen by some token is
-    leased once, all or nothing, in groups of at most the layer's slot count
-    (one group when the union fits), and released before returning. Returns
+    computed by the native kernels from their slots. Every expert chosen by some token is
+    leased once, all or nothing, in groups that fit the layer's slots (one
+    group when the union fits; :class:`LayerStream`), and released before returning. Returns
     float32 (tokens, hidden).
     """
     if activation not in ("silu", "gpt_oss"):
@@ -185,21 +197,19 @@ def experts_forward(store: Store, layer: int, hidden: np.ndarray, top_k_index: n
         raise ValueError(f"top_k_index {idx.shape} and top_k_weights {w.shape} must both be "
                          f"(tokens, k) for {x.shape[0]} tokens")
     out = np.zeros_like(x)
-    union = [int(e) for e in np.unique(idx)]
-    # A big batch may choose more experts than the layer has slots: lease the
-    # union in groups the cache can hold at once, each all or nothing.
-    group = max(1, store.slots(layer))
-    for start in range(0, len(union), group):
-        with store.lease_many(layer, union[start:start + group]) as leases:
-            for lease in leases:
-                rows, slot = np.nonzero(idx == lease.expert)
-                scale = w[rows, slot, None]
-                if weights_on_input:
-                    y = _expert(lease, x[rows] * scale, activation, swiglu_limit, swiglu_alpha)
-                else:
-                    y = scale * _expert(lease, x[rows], activation, swiglu_limit, swiglu_alpha)
-                # np.add.at: a token may pick the same expert in two of its k slots.
-                np.add.at(out, rows, y)
+    # A big batch may choose more experts than the layer has slots: the union
+    # streams through the cache in groups (LayerStream), each all or nothing.
+    for leases in LayerStream(store, layer, [int(e) for e in np.unique(idx)]):
+        # Every (token, slot) pair of the group's experts, gathered by
+        # expert: one kernel call computes them all from the slots.
+        picks = [np.nonzero(idx == lease.expert) for lease in leases]
+        rows = np.concatenate([r for r, _ in picks])
+        scale = w[rows, np.concatenate([k for _, k in picks]), None]
+        xs = x[rows] * scale if weights_on_input else x[rows]
+        y = experts_ffn(leases, np.ascontiguousarray(xs), [len(r) for r, _ in picks],
+                        activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
+        # np.add.at: a token may pick the same expert in two of its k slots.
+        np.add.at(out, rows, y if weights_on_input else scale * y)
     return out
 
 

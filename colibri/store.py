@@ -98,10 +98,12 @@ class ExpertLease(LeaseBase):
     """
 
     __slots__ = ()
-    # Per store (a subclass made by Store): the model, and the part names of
-    # each layer in the C core's order (ExpertTensors.part_names).
+    # Per store (a subclass made by Store): the model, the part names of
+    # each layer in the C core's order (ExpertTensors.part_names), and the C
+    # store (for the kernels).
     _model: ModelExperts | None = None
     _part_names: dict[int, tuple[str | None, ...]] = {}
+    _store_handle: Any = None
 
     @property
     def tensors(self) -> ExpertTensors:
@@ -124,6 +126,14 @@ class ExpertLease(LeaseBase):
         return {name: array for name, array in zip(self._part_names[self.layer], arrays)
                 if name is not None and array is not None}
 
+    def ffn(self, x: Any, **options: Any) -> Any:
+        """The expert applied to ``x`` by the native kernel, straight from the
+        slot: :func:`colibri.expert_ffn` (its keywords: ``activation``,
+        ``out``, ``threads``, ``isa``, ``alpha``, ``limit``)."""
+        from colibri.kernels import expert_ffn
+
+        return expert_ffn(self, x, **options)
+
     def __repr__(self) -> str:
         return f"store.lease({self.layer}, {self.expert})"
 
@@ -142,6 +152,13 @@ class LeaseGroup(tuple):  # type: ignore[type-arg]
 
     def release(self) -> None:
         self.__exit__()
+
+    def ffn(self, x: Any, counts: Any, **options: Any) -> Any:
+        """The leased experts applied to ``x`` in one native call, lease ``i``
+        to the next ``counts[i]`` rows: :func:`colibri.experts_ffn`."""
+        from colibri.kernels import experts_ffn
+
+        return experts_ffn(self, x, counts, **options)
 
 
 @dataclass(frozen=True)
@@ -206,6 +223,7 @@ class Store:
                 "__slots__": (),
                 "_model": model,
                 "_part_names": {layer: model.expert(layer, 0).part_names() for layer in model.layers},
+                "_store_handle": self._handle,
             }),
             error_for,
             LeaseError,
@@ -579,12 +597,13 @@ class _Config:
             ex = model.expert(layer, expert)
             for role in ROLES:
                 _fill_source(getattr(src, role), ex.source(role))
-            if ex.fused:
-                src.flags = lib.COLI_SOURCE_FUSED_GATE_UP
+            src.flags = ex.source_flags
             if ex.extras:
                 parts = self._hold(ffi.new("ColiPartSource[]", len(ex.extras)))
-                for k, (_, info) in enumerate(ex.extras):
-                    parts[k].file, parts[k].offset, parts[k].nbytes = info.file, info.offset, info.nbytes
+                for k, (name, info) in enumerate(ex.extras):
+                    p = parts[k]
+                    p.file, p.offset, p.nbytes = info.file, info.offset, info.nbytes
+                    p.kind, p.role, p.format = ex.part_use(name, info.dtype)
                 src.n_parts, src.parts = len(ex.extras), parts
         return sources
 

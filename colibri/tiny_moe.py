@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["WORDS", "randomize_weights", "write_tiny_moe"]
+__all__ = ["WORDS", "randomize_weights", "write_tiny_moe", "write_tiny_gpt_oss"]
 
 #: The tokenizer's vocabulary after its special tokens.
 WORDS = tuple(
@@ -268,6 +268,67 @@ def _to_int4(path: str, group: int, scope: str, symmetric: bool) -> None:
                                 quantization_status="compressed", ignore=ignore)
     ModelCompressor(quantization_config=config).update_config(path)
     del torch
+
+
+def write_tiny_gpt_oss(path: str | os.PathLike[str], *, seed: int = 0, mxfp4: bool = False) -> str:
+    """Write a tiny random gpt-oss checkpoint (two layers, hidden 32, six
+    experts, top-2; shards of 40 KB) to ``path`` (created); returns the
+    path. Every parameter is drawn at random, biases too, and the experts'
+    gate_up large enough that the clamped SwiGLU's limit (7) is reached.
+    ``mxfp4``: the routed experts as MXFP4 blocks and scales, one file, as
+    the released checkpoints store them (``quant_method: mxfp4``)."""
+    import torch
+    import transformers
+
+    config = transformers.GptOssConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+        vocab_size=64, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():                     # biases too: the init leaves them 0
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "gate_up" in name else 0.3))
+    out = os.fspath(path)
+    model.save_pretrained(out, max_shard_size="40KB")
+    if mxfp4:
+        _experts_to_mxfp4(out, seed + 2)
+    return out
+
+
+def _experts_to_mxfp4(path: str, seed: int) -> None:
+    """Replaces the float routed experts of a gpt-oss checkpoint by random
+    MXFP4 blocks and scales (the rest kept), in one model.safetensors."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, Any] = {}
+    for shard in sorted(os.listdir(path)):
+        if not shard.endswith(".safetensors"):
+            continue
+        for name, value in load_file(os.path.join(path, shard)).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                experts, inp, outputs = value.shape
+                tensors[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inp // 32, 16),
+                                                          generator=gen, dtype=torch.uint8)
+                tensors[name + "_scales"] = torch.randint(120, 128, (experts, outputs, inp // 32),
+                                                          generator=gen, dtype=torch.uint8)
+            else:
+                tensors[name] = value
+        os.remove(os.path.join(path, shard))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        os.remove(index)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@
  */
 #include "coli_formats.h"
 
+#include "coli_kernels.h"
+
 #include <stddef.h>
 
 #define PLAIN_SCALES (COLI_SCALE_BIT(COLI_SCALE_NONE) | COLI_SCALE_BIT(COLI_SCALE_F32))
@@ -12,21 +14,24 @@
 
 /* Indexed by ColiTensorFormat. tensor.h says what each format means. */
 static const ColiFormatInfo FORMATS[] = {
-    [COLI_TENSOR_F32] = {"f32", COLI_PACK_ROWS, 32, PLAIN_SCALES, NULL},
+    [COLI_TENSOR_F32] = {"f32", COLI_PACK_ROWS, 32, PLAIN_SCALES, &coli_kernel_plain},
     [COLI_TENSOR_Q8_ROW] = {"q8_row", COLI_PACK_REFUSED, 0, 0, NULL},
     [COLI_TENSOR_Q4_ROW] = {"q4_row", COLI_PACK_REFUSED, 0, 0, NULL},
     [COLI_TENSOR_Q2_ROW] = {"q2_row", COLI_PACK_REFUSED, 0, 0, NULL},
     [COLI_TENSOR_FP8_E4M3_BLOCK] = {"fp8_e4m3_block", COLI_PACK_ROWS, 8,
-                                    COLI_SCALE_BIT(COLI_SCALE_F32), NULL},
-    [COLI_TENSOR_FP4_NATIVE_BLOCK] = {"mxfp4", COLI_PACK_ROWS, 4, COLI_SCALE_BIT(COLI_SCALE_UE8M0), NULL},
+                                    COLI_SCALE_BIT(COLI_SCALE_F32), &coli_kernel_fp8_block},
+    [COLI_TENSOR_FP4_NATIVE_BLOCK] = {"mxfp4", COLI_PACK_ROWS, 4, COLI_SCALE_BIT(COLI_SCALE_UE8M0),
+                                     &coli_kernel_mxfp4},
     [COLI_TENSOR_INT8_BLOCK] = {"int8_block", COLI_PACK_REFUSED, 0, 0, NULL},
-    [COLI_TENSOR_INT4_BLOCK] = {"int4_block", COLI_PACK_ROWS, 4, INT4_SCALES, NULL},
-    [COLI_TENSOR_F16] = {"f16", COLI_PACK_ROWS, 16, PLAIN_SCALES, NULL},
-    [COLI_TENSOR_BF16] = {"bf16", COLI_PACK_ROWS, 16, PLAIN_SCALES, NULL},
-    [COLI_TENSOR_F8_E4M3] = {"f8_e4m3", COLI_PACK_ROWS, 8, PLAIN_SCALES, NULL},
-    [COLI_TENSOR_F8_E5M2] = {"f8_e5m2", COLI_PACK_ROWS, 8, PLAIN_SCALES, NULL},
-    [COLI_TENSOR_INT4_GPTQ] = {"int4_gptq", COLI_PACK_WORDS_DOWN_COLUMNS, 4, INT4_SCALES, NULL},
-    [COLI_TENSOR_INT4_AWQ] = {"int4_awq", COLI_PACK_WORDS_ALONG_ROWS, 4, INT4_SCALES, NULL},
+    [COLI_TENSOR_INT4_BLOCK] = {"int4_block", COLI_PACK_ROWS, 4, INT4_SCALES, &coli_kernel_int4},
+    [COLI_TENSOR_F16] = {"f16", COLI_PACK_ROWS, 16, PLAIN_SCALES, &coli_kernel_plain},
+    [COLI_TENSOR_BF16] = {"bf16", COLI_PACK_ROWS, 16, PLAIN_SCALES, &coli_kernel_plain},
+    [COLI_TENSOR_F8_E4M3] = {"f8_e4m3", COLI_PACK_ROWS, 8, PLAIN_SCALES, &coli_kernel_plain},
+    [COLI_TENSOR_F8_E5M2] = {"f8_e5m2", COLI_PACK_ROWS, 8, PLAIN_SCALES, &coli_kernel_plain},
+    [COLI_TENSOR_INT4_GPTQ] = {"int4_gptq", COLI_PACK_WORDS_DOWN_COLUMNS, 4, INT4_SCALES,
+                                &coli_kernel_gptq},
+    [COLI_TENSOR_INT4_AWQ] = {"int4_awq", COLI_PACK_WORDS_ALONG_ROWS, 4, INT4_SCALES,
+                               &coli_kernel_awq},
 };
 
 /* Indexed by ColiScaleFormat. */

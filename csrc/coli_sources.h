@@ -30,11 +30,17 @@ typedef struct {
 } ColiTensorSource;
 
 /* A part of an expert beyond the roles' data and scales (a bias, zero
- * points): a byte range the store reads into the slot with the rest. */
+ * points): a byte range the store reads into the slot with the rest. What it
+ * is (kind, role, format) matters only to the kernels that compute the
+ * expert from its slot (coli_store_expert_ffn); the reader only reads it. */
 typedef struct {
     int file;                   /* index into ColiStoreConfig.files */
     uint64_t offset;            /* absolute byte offset in the file */
     uint64_t nbytes;            /* > 0 */
+    /* Appended for the kernels; zeroed, a part is COLI_PART_OTHER. */
+    int kind;                   /* COLI_PART_* */
+    int role;                   /* whose part: 0 gate (or the fused gate_up), 1 up, 2 down */
+    ColiTensorFormat format;    /* a bias's elements (the kernels take F32, F16, BF16) */
 } ColiPartSource;
 
 enum {
@@ -42,7 +48,19 @@ enum {
                                      * down data, then their scales */
     COLI_MAX_PARTS = 12,            /* extra parts per expert at most */
     /* ColiExpertSource.flags */
-    COLI_SOURCE_FUSED_GATE_UP = 1   /* gate holds the fused gate_up; up is absent (all zero) */
+    COLI_SOURCE_FUSED_GATE_UP = 1,  /* gate holds the fused gate_up; up is absent (all zero) */
+    /* How the kernels read the expert (the reader reads it the same way): */
+    COLI_SOURCE_IN_OUT = 2,         /* every matrix is stored (in, out) (GPTQ, AWQ, gpt-oss and
+                                     * Llama 4 floats); else (out, in) */
+    COLI_SOURCE_INTERLEAVED = 4,    /* with FUSED_GATE_UP: gate and up alternate along the fused
+                                     * outputs (gpt-oss); without it they are concatenated */
+    COLI_SOURCE_ZERO_PLUS_ONE = 8,  /* GPTQ's original format: each stored zero point is one less
+                                     * than the zero point */
+    /* ColiPartSource.kind */
+    COLI_PART_OTHER = 0,            /* bytes the kernels do not read */
+    COLI_PART_BIAS = 1,             /* one value per output of its role, in its format */
+    COLI_PART_ZERO = 2,             /* its role's packed zero points, as the role's format stores them */
+    COLI_PART_G_IDX = 3             /* GPTQ: the group of each input row of its role, int32 */
 };
 
 /* One routed expert of the model and where its tensors are.

@@ -42,6 +42,7 @@
 #include "coli_errors.h"   /* the COLI_E* codes every function here returns, COLI_ERR_LEN */
 #include "coli_sources.h"  /* ColiExpertSource: where each expert's bytes are */
 #include "expert_store.h"
+#include "ffn.h"           /* ColiFfnExpert, ColiFfnCall, ColiComputePool: the kernels */
 
 typedef struct ColiStoreConfig {
     const char *const *files;       /* paths of the model's files */
@@ -228,6 +229,44 @@ int coli_view_layout(const ColiExpertView *view, uint64_t out[COLI_VIEW_LAYOUT_L
  * its extra parts), or COLI_ENOTFOUND for an unknown key. Plans are fixed at
  * creation: no lock. */
 int coli_store_expert_parts(ColiExpertStore *store, int layer, int expert, uint64_t *out, int cap);
+
+/* ---- leased experts computed from their slots ---------------------------
+ *
+ * The kernels of ffn.h compute an expert straight from its bytes as stored.
+ * The store knows what they need of each expert: its tensors (the view), its
+ * extra parts and what each is (ColiPartSource.kind, role, format), how the
+ * matrices are stored and a fused gate_up split (ColiExpertSource.flags),
+ * and which kernel computes each format (the format table). A computation
+ * holds the views' slots for its length (one lease more each, not counted as
+ * a request), so the bytes stay put even if the caller's lease is released
+ * meanwhile, and close refuses while it runs. */
+
+/* Fills *out with the ColiFfnExpert of the expert leased by view, its
+ * addresses in the slot (valid while that lease is held), with the given
+ * activation (COLI_FFN_ACT_*) and gpt-oss's alpha and limit: for an engine
+ * that calls coli_expert_ffn itself. Returns 0; COLI_ELEASE when view holds
+ * no live lease of this store; COLI_ECLOSED on a closed store; COLI_EINVAL
+ * for a format or layout without a kernel (out zeroed, err says why). */
+int coli_store_ffn_expert(ColiExpertStore *store, const ColiExpertView *view, int activation,
+                          float alpha, float limit, ColiFfnExpert *out, char *err, size_t err_len);
+
+/* Computes count leased experts of one layer (e.g. the views of one
+ * lookup_many) for their tokens, with the GIL-free driver of ffn.h: expert i
+ * takes rows [rows[i], rows[i + 1]) of call->x and writes the same rows of
+ * call->out (rows: count + 1 nondecreasing offsets from 0 to call->tokens;
+ * NULL when count is 1: all of the call's rows; an expert without rows is
+ * skipped). out must not overlap x. call->isa picks the path as in
+ * coli_expert_ffn. The experts run on pool's threads (NULL: the caller's):
+ * an expert whose rows are a thread's share of the batch or more on all of
+ * them, its output rows split, and the others one expert per thread, the
+ * largest first. Returns 0; COLI_ELEASE when a view holds no live lease of
+ * this store (nothing computed); COLI_ECLOSED on a closed store;
+ * COLI_EINVAL for views of two layers, bad rows or call, or a format
+ * without a kernel; COLI_ENOMEM. err names the expert. */
+int coli_store_expert_ffn(ColiExpertStore *store, const ColiExpertView *views, int count,
+                          const int64_t *rows, const ColiFfnCall *call, int activation,
+                          float alpha, float limit, ColiComputePool *pool, char *err,
+                          size_t err_len);
 
 /* Times a prefetch read paused between chunks for a demand read. */
 uint64_t coli_store_prefetch_pauses(ColiExpertStore *store);

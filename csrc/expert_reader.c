@@ -174,15 +174,41 @@ static bool all_zero(const void *p, size_t n) {
     return true;
 }
 
+#define KNOWN_FLAGS (COLI_SOURCE_FUSED_GATE_UP | COLI_SOURCE_IN_OUT | COLI_SOURCE_INTERLEAVED | \
+                     COLI_SOURCE_ZERO_PLUS_ONE)
+
+/* What extra part k is to the kernels: a known kind, of a role the expert
+ * has, and no second part of its kind and role. (A bias's format is the
+ * kernel's to check, when it computes.) */
+static int check_part_use(const ColiExpertSource *src, int k, const char *what, char *err,
+                          size_t err_len) {
+    const ColiPartSource *p = &src->parts[k];
+    bool fused = (src->flags & COLI_SOURCE_FUSED_GATE_UP) != 0;
+    if (p->kind < COLI_PART_OTHER || p->kind > COLI_PART_G_IDX)
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: unknown kind %d", what, p->kind);
+    if (p->kind == COLI_PART_OTHER) return COLI_OK;
+    if (p->role < 0 || p->role > 2 || (fused && p->role == 1))
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: role %d is not a matrix of the expert",
+                         what, p->role);
+    for (int j = 0; j < k; j++)
+        if (src->parts[j].kind == p->kind && src->parts[j].role == p->role)
+            return coli_fail(err, err_len, COLI_ECONFIG, "%s: part %d is already of kind %d for "
+                             "role %d", what, j, p->kind, p->role);
+    return COLI_OK;
+}
+
 int coli_check_expert(const ColiFileSet *files, const ColiExpertSource *src,
                       char *err, size_t err_len) {
     char what[96];
     const ColiTensorSource *t[3] = {&src->gate, &src->up, &src->down};
     static const char *const names[3] = {"gate", "up", "down"};
     bool fused = (src->flags & COLI_SOURCE_FUSED_GATE_UP) != 0;
-    if (src->flags & ~(uint32_t)COLI_SOURCE_FUSED_GATE_UP)
+    if (src->flags & ~(uint32_t)KNOWN_FLAGS)
         return coli_fail(err, err_len, COLI_ECONFIG, "layer %d expert %d: unknown flags 0x%x",
                          src->layer, src->expert, (unsigned)src->flags);
+    if ((src->flags & COLI_SOURCE_INTERLEAVED) && !fused)
+        return coli_fail(err, err_len, COLI_ECONFIG, "layer %d expert %d: interleaved without a "
+                         "fused gate_up", src->layer, src->expert);
     for (int r = 0; r < 3; r++) {
         snprintf(what, sizeof what, "layer %d expert %d %s", src->layer, src->expert,
                  r == 0 && fused ? "gate_up" : names[r]);
@@ -205,6 +231,7 @@ int coli_check_expert(const ColiFileSet *files, const ColiExpertSource *src,
             return coli_fail(err, err_len, COLI_ECONFIG, "%s: empty", what);
         int rc = check_range(files, src->parts[k].file, src->parts[k].offset, src->parts[k].nbytes,
                              what, "bytes", err, err_len);
+        if (rc == COLI_OK) rc = check_part_use(src, k, what, err, err_len);
         if (rc) return rc;
     }
     return COLI_OK;

@@ -152,3 +152,23 @@ int coli_store_direct_io_fallback(ColiExpertStore *store) {
     LsStore *s = ls_store_of(store);
     return s ? s->files.direct_fallback : 0;
 }
+
+/* ---- leased experts computed ------------------------------------------- */
+
+int coli_store_ffn_expert(ColiExpertStore *store, const ColiExpertView *view, int activation,
+                          float alpha, float limit, ColiFfnExpert *out, char *err, size_t n) {
+    LsStore *s = ls_store_of(store);
+    if (!s) {
+        if (out) memset(out, 0, sizeof *out);
+        return coli_fail(err, n, COLI_EINVAL, "ffn_expert: not an expert store of this library");
+    }
+    return ls_ffn_expert(s, view, activation, alpha, limit, out, err, n);
+}
+
+int coli_store_expert_ffn(ColiExpertStore *store, const ColiExpertView *views, int count,
+                          const int64_t *rows, const ColiFfnCall *call, int activation,
+                          float alpha, float limit, ColiComputePool *pool, char *err, size_t n) {
+    LsStore *s = ls_store_of(store);
+    if (!s) return coli_fail(err, n, COLI_EINVAL, "expert ffn: not an expert store of this library");
+    return ls_expert_ffn(s, views, count, rows, call, activation, alpha, limit, pool, err, n);
+}

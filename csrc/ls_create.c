@@ -145,6 +145,9 @@ static int build_layers(LsStore *s, const ColiStoreConfig *cfg, char *err, size_
         if (rc) return rc;
         e->src = *x;
         e->src.parts = NULL;          /* the caller's array; the plan has what loads need */
+        for (int k = 0; k < x->n_parts && !cfg->replay_expert_bytes; k++)
+            e->parts[k] = (LsPart){x->parts[k].nbytes, (int8_t)x->parts[k].kind,
+                                   (int8_t)x->parts[k].role, x->parts[k].format};
         L->present[x->expert] = true;
     }
     return COLI_OK;

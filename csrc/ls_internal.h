@@ -3,6 +3,8 @@
  *
  *   ls_api.c        the public entry points: each checks its handle and
  *                   calls the file that does the job; the ops table
+ *   ls_ffn.c        leased experts computed from their slots (the kernels'
+ *                   descriptions, holds, a batch over the compute pool)
  *   ls_create.c     life cycle: create (config, layers, slot counts and
  *                   memory, pins and warm experts, the pool), close, destroy
  *   ls_lookup.c     lookup, lookup_resident, lookup_many, release, replay,
@@ -44,6 +46,7 @@
 #include "coli_sources.h"
 #include "expert_reader.h"
 #include "expert_store.h"
+#include "ffn.h"
 #include "io_pool.h"
 
 #define LS_DEFAULT_QUEUE_DEPTH 256u
@@ -91,9 +94,19 @@ struct LsSlot {
     char batch_err[LS_ERRLEN];
 };
 
+/* An extra part as the kernels see it (the source's record, kept: the
+ * caller's array need not outlive create). */
 typedef struct {
-    ColiExpertSource src;         /* formats and shapes for views */
+    uint64_t nbytes;
+    int8_t kind;                  /* COLI_PART_* */
+    int8_t role;                  /* 0 gate (or gate_up), 1 up, 2 down */
+    ColiTensorFormat format;      /* a bias's elements */
+} LsPart;
+
+typedef struct {
+    ColiExpertSource src;         /* formats and shapes for views; src.parts is NULL */
     ColiReadPlan plan;
+    LsPart parts[COLI_MAX_PARTS]; /* src.n_parts of them */
 } LsEntry;
 
 typedef struct {
@@ -325,6 +338,15 @@ static inline void ls_lift_holds(LsStore *s) {
     (void)s;
 #endif
 }
+
+/* ---- leased experts computed (ls_ffn.c) ------------------------------ */
+
+/* coli_store_expert_ffn and coli_store_ffn_expert on a store of ours. */
+int ls_expert_ffn(LsStore *s, const ColiExpertView *views, int count, const int64_t *rows,
+                  const ColiFfnCall *call, int activation, float alpha, float limit,
+                  ColiComputePool *pool, char *err, size_t n);
+int ls_ffn_expert(LsStore *s, const ColiExpertView *view, int activation, float alpha,
+                  float limit, ColiFfnExpert *out, char *err, size_t n);
 
 /* ---- counters and facts (ls_stats.c) --------------------------------- */
 

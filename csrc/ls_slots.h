@@ -30,6 +30,8 @@
  *   finish_load     READING                           RESIDENT with n leases, or EMPTY
  *   empty           QUEUED                            EMPTY (cancelled), new generation
  *   lease           RESIDENT                          RESIDENT, one lease more (a hit)
+ *   hold            RESIDENT leased                   RESIDENT, one lease more (a kernel
+ *                                                     computes from it; not a request)
  *   unlease         RESIDENT leased                   RESIDENT, one lease fewer
  *   demote          RESIDENT unleased, unhit prefetch RESIDENT, evicted first
  *   preload         EMPTY (at create)                 QUEUED: a pin (never evictable) or a warm expert
@@ -126,18 +128,36 @@ static inline void ls_slot_unlease(LsLayer *L, LsSlot *v) {
     }
 }
 
-/* Drops the lease of view if it is current: false when view holds no live
- * lease of layer L (stale generation, or not one of L's slots). */
-static inline bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) {
+/* The slot whose live lease view holds, or NULL (stale generation, or not
+ * one of L's slots). */
+static inline LsSlot *ls_slot_of_view(LsLayer *L, const ColiExpertView *view) {
     LsSlot *v = view->lease;
     uintptr_t p = (uintptr_t)v, lo = (uintptr_t)L->slots;
     if (p < lo || p >= lo + sizeof(LsSlot) * (size_t)L->n_slots || (p - lo) % sizeof(LsSlot) != 0)
-        return false;             /* not one of this layer's slots */
+        return NULL;              /* not one of this layer's slots */
     if (v->generation != view->lease_generation || v->state != LS_RESIDENT ||
         v->leases == 0 || v->expert != view->key.expert)
-        return false;             /* stale: the slot was repurposed since */
+        return NULL;              /* stale: the slot was repurposed since */
+    return v;
+}
+
+/* Drops the lease of view if it is current: false when view holds no live
+ * lease of layer L. */
+static inline bool ls_slot_release_view(LsLayer *L, const ColiExpertView *view) {
+    LsSlot *v = ls_slot_of_view(L, view);
+    if (!v) return false;
     ls_slot_unlease(L, v);
     return true;
+}
+
+/* hold: one lease more on leased slot v for the length of a computation
+ * from its bytes (coli_store_expert_ffn), so that a release of the
+ * caller's lease meanwhile cannot free the slot under it. Not a request:
+ * nothing is counted and the policy hears nothing. unlease ends it. */
+static inline void ls_slot_hold(LsLayer *L, LsSlot *v) {
+    assert(v->state == LS_RESIDENT && v->leases > 0 && !v->evictable);
+    v->leases++;
+    L->leases++;
 }
 
 /* repurpose: gives evictable slot v to entry e's expert in state st

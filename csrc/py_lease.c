@@ -744,6 +744,12 @@ static PyObject *lease_get_generation(Lease *self, void *Py_UNUSED(closure)) {
     return PyLong_FromUnsignedLongLong(self->view.lease_generation);
 }
 
+/* Where the lease's C view is, for a kernel call through cffi: the lease
+ * object keeps it at one address for life. 0 once released. */
+static PyObject *lease_get_view_address(Lease *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromVoidPtr(self->released ? NULL : (void *)&self->view);
+}
+
 static PyObject *lease_get_tenancies(Lease *self, void *Py_UNUSED(closure)) {
     if (!self->leaser) Py_RETURN_NONE;
     return Py_NewRef((PyObject *)self->leaser->tenancies);
@@ -766,6 +772,8 @@ static PyGetSetDef lease_getset[] = {
     {"released", (getter)lease_get_released, NULL, "True once release() ran.", NULL},
     {"_generation", (getter)lease_get_generation, NULL, "The slot tenancy leased.", NULL},
     {"_tenancies", (getter)lease_get_tenancies, NULL, "The store's Tenancies.", NULL},
+    {"_view_address", (getter)lease_get_view_address, NULL,
+     "The address of the lease's ColiExpertView (0 once released).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -792,11 +800,57 @@ static PyTypeObject LeaseBaseType = {
 
 /* ---- module ---------------------------------------------------------- */
 
+/* copy_views(leases, address): the ColiExpertView of each lease of the
+ * sequence, in order, into the array at address (len(leases) views: the
+ * caller's buffer), for one kernel call over a batch. A released lease, or
+ * anything not a lease, is an error and nothing is written past it. */
+static PyObject *module_copy_views(PyObject *Py_UNUSED(module), PyObject *const *args,
+                                   Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_views(leases, address)");
+        return NULL;
+    }
+    ColiExpertView *out = PyLong_AsVoidPtr(args[1]);
+    if (!out) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "copy_views: address is NULL");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "copy_views: leases must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyObject_TypeCheck(items[i], &LeaseBaseType)) {
+            PyErr_Format(PyExc_TypeError, "copy_views: item %zd is a %.80s, not a lease", i,
+                         Py_TYPE(items[i])->tp_name);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        Lease *lease = (Lease *)items[i];
+        if (lease->released) {
+            PyErr_Format(lease->leaser->lease_error, "layer %d expert %d: used after its lease "
+                         "was released", lease->layer, lease->expert);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        out[i] = lease->view;   /* read by the kernel call only; the lease stays the lease's */
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyMethodDef module_methods[] = {
+    {"copy_views", (PyCFunction)(void (*)(void))module_copy_views, METH_FASTCALL,
+     "copy_views(leases, address): the leases' C views into the array at address."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef lease_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "colibri._lease",
     .m_doc = "colibri's lease hit path in C (see csrc/py_lease.c).",
     .m_size = 0,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__lease(void) {

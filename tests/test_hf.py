@@ -7,8 +7,8 @@ architecture written by transformers' own config classes and save_pretrained
   batch 1 and a left-padded batch 3, with 1 and 2 slots per layer (misses and
   slot-sized lease groups happen) and with PILOT on and off; greedy generate
   with the KV cache gives the same tokens.
-* bfloat16: the same greedy tokens for 16 new tokens (batch 1 and 3) and
-  prefill logits within bf16 rounding.
+* bfloat16, with kernels="torch" (stock's roundings): the same greedy tokens
+  for 16 new tokens (batch 1 and 3) and prefill logits within bf16 rounding.
 * no routed-expert parameter is materialized: the model's parameters and
   buffers are exactly the stock model's minus the experts' fused tensors,
   and loading reads no expert.
@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 
 import colibri  # noqa: E402
 import colibri.hf as hf  # noqa: E402
-from colibri.tiny_moe import write_tiny_moe  # noqa: E402
+from colibri.tiny_moe import write_tiny_gpt_oss, write_tiny_moe  # noqa: E402
 
 # gpt-oss (not written by colibri.tiny_moe) has its own tests below.
 ARCHS = sorted(set(hf.SUPPORTED_MODEL_TYPES) - {"gpt_oss"})
@@ -125,7 +125,9 @@ def test_f32_logits_and_greedy_equal_stock(ckpt, stock, arch: str) -> None:
             assert hf.store_of(model).active_leases == 0
             if slots == 1:
                 assert any(p.groups > 1 for p in groups.seen)   # unions larger than the slots
-            assert all(p.groups == -(-p.experts // slots) for p in groups.seen)
+            for p in groups.seen:   # a union past the slots streams through half of them with PILOT
+                size = slots // 2 if p.experts > slots and prefetch and slots > 1 else slots
+                assert p.groups == -(-p.experts // size)
             if prefetch is None:
                 assert runtime.pilot is None and stats.prefetched == 0
                 assert hf.store_of(model).prefetch_workers == 0
@@ -142,7 +144,9 @@ def test_bf16_same_greedy_tokens(ckpt, stock, arch: str) -> None:
     ref = stock(arch, "bfloat16")
     assert ref.dtype == torch.bfloat16
     batches = _batches(ref.config.vocab_size)
-    model = hf.from_pretrained(ckpt(arch, "bfloat16"), slots_per_layer=2)
+    # kernels="torch" rounds as stock transformers does, to the same greedy tokens; the
+    # native kernels accumulate in float32 (tests/test_hf_kernels.py compares them).
+    model = hf.from_pretrained(ckpt(arch, "bfloat16"), slots_per_layer=2, kernels="torch")
     try:
         assert model.dtype == torch.bfloat16
         with torch.no_grad():
@@ -371,19 +375,7 @@ def test_missing_shard(tmp_path, no_model_load) -> None:
 # -- gpt-oss (fused, interleaved gate_up with biases; clamped SwiGLU) and Llama 4 --
 
 def _gpt_oss(path: Any, seed: int) -> str:
-    config = transformers.GptOssConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
-        vocab_size=64, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():                     # biases too: the init leaves them 0
-        for name, p in model.named_parameters():
-            # experts' gate_up large enough that the SwiGLU clamp (limit 7) is reached
-            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "gate_up" in name else 0.3))
-    model.save_pretrained(path, max_shard_size="40KB")
-    return str(path)
+    return write_tiny_gpt_oss(path, seed=seed)
 
 
 def test_gpt_oss_logits_and_greedy_equal_stock(tmp_path) -> None:
@@ -436,31 +428,7 @@ def test_gpt_oss_mxfp4_equals_transformers_dequantized(tmp_path) -> None:
     """Experts as MXFP4 blocks and scales (biases float), as the released
     checkpoints store them; the reference is transformers' own MXFP4 loader
     dequantizing on a CPU."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    float_path = _gpt_oss(tmp_path / "float", 6)
-    path = tmp_path / "mxfp4"
-    path.mkdir()
-    gen = torch.Generator().manual_seed(8)
-    tensors: dict[str, Any] = {}
-    for f in sorted(os.listdir(float_path)):
-        if f.endswith(".safetensors"):
-            for name, value in load_file(os.path.join(float_path, f)).items():
-                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                    experts, inp, out = value.shape
-                    tensors[name + "_blocks"] = torch.randint(0, 256, (experts, out, inp // 32, 16),
-                                                              generator=gen, dtype=torch.uint8)
-                    tensors[name + "_scales"] = torch.randint(120, 128, (experts, out, inp // 32),
-                                                              generator=gen, dtype=torch.uint8)
-                else:
-                    tensors[name] = value
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((tmp_path / "float" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(config))
+    path = write_tiny_gpt_oss(tmp_path / "mxfp4", seed=6, mxfp4=True)
     with colibri.open_store(path, slots_per_layer=1, prefetch_workers=0) as store:
         assert store.model.expert(0, 0).scheme == "mxfp4"
     ref = transformers.AutoModelForCausalLM.from_pretrained(

@@ -9,6 +9,7 @@ Needs torch and transformers; skipped without them.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,8 @@ def test_generate_end_to_end_equals_transformers(tiny: str, tmp_path) -> None:
     assert "prefill: " in err and "lease group" in err
     summary = [line for line in err.splitlines() if "tokens/s" in line]
     assert summary and "hit rate" in summary[0] and "prefetch precision" in summary[0]
+    assert re.search(r"prefill \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\)", summary[0])
+    assert "native kernels" in err
     assert "prefetch_hits" in err and '"precision"' in err          # --stats
     trace = colibri.Trace.load(trace_file)
     # every forwarded token: the prompt, and each new token but the last
@@ -71,11 +74,11 @@ def test_generate_end_to_end_equals_transformers(tiny: str, tmp_path) -> None:
 def test_generate_prefetch_off_and_ram_budget(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     want, _ = _stock_text(tiny)
     rc = cli_main(["generate", tiny, "--prompt", PROMPT, "--max-new-tokens", str(NEW),
-                   "--ram-gb", "0.0001", "--prefetch", "off"])
+                   "--ram-gb", "0.0001", "--prefetch", "off", "--kernels", "torch"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert out.out.strip() == want.strip()
-    assert "prefetch precision off" in out.err
+    assert "prefetch precision off" in out.err and "torch kernels" in out.err
 
 
 @pytest.mark.parametrize("argv, message", [

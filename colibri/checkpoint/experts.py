@@ -18,7 +18,7 @@ from colibri._ffi import lib
 from colibri.checkpoint import dtypes
 from colibri.checkpoint.safetensors import TensorInfo
 from colibri.errors import UnknownExpertError
-from colibri.formats import PLAIN, Format, format_of, role_format
+from colibri.formats import GPTQ, PLAIN, Format, format_of, role_format
 
 __all__ = ["ROLES", "INTERLEAVED", "CONCATENATED", "ExpertTensors", "ModelExperts", "TensorSource",
            "SOURCE_FIELDS", "format_ranges"]
@@ -32,6 +32,10 @@ INTERLEAVED = "interleaved"    # gate, up, gate, up ... (gpt-oss)
 CONCATENATED = "concatenated"  # all of gate, then all of up (Llama 4, transformers)
 
 COLI_SCALE_NONE: int = lib.COLI_SCALE_NONE
+# Extra parts by the end of their names: ColiPartSource.kind, and each role's number.
+_PART_KINDS = (("_bias", lib.COLI_PART_BIAS), ("_zero", lib.COLI_PART_ZERO),
+               ("_g_idx", lib.COLI_PART_G_IDX))
+_PART_ROLES = {"gate": 0, "gate_up": 0, "up": 1, "down": 2}
 
 
 class TensorSource(NamedTuple):
@@ -163,6 +167,32 @@ class ExpertTensors:
         assert block is not None
         return TensorSource(w.file, w.offset, w.nbytes, self.coli_format(role), *shape,
                             self.coli_scale_format(role), scale.file, scale.offset, scale.nbytes, *block)
+
+    @property
+    def source_flags(self) -> int:
+        """``ColiExpertSource.flags``: a fused gate_up and how it is split,
+        matrices stored (in, out), GPTQ's original zero points."""
+        flags = 0
+        if self.fused:
+            flags |= lib.COLI_SOURCE_FUSED_GATE_UP
+            if self.fused == INTERLEAVED:
+                flags |= lib.COLI_SOURCE_INTERLEAVED
+        if self.transposed:
+            flags |= lib.COLI_SOURCE_IN_OUT
+        if self.scheme == GPTQ:
+            flags |= lib.COLI_SOURCE_ZERO_PLUS_ONE
+        return int(flags)
+
+    @staticmethod
+    def part_use(name: str, dtype: str) -> tuple[int, int, int]:
+        """What extra part ``name`` (of safetensors dtype ``dtype``) is to the
+        kernels: ``ColiPartSource``'s ``(kind, role, format)``."""
+        for suffix, kind in _PART_KINDS:
+            if name.endswith(suffix):
+                role = name[:-len(suffix)]
+                fmt = format_of(PLAIN).coli_formats.get(dtype, 0) if kind == lib.COLI_PART_BIAS else 0
+                return int(kind), _PART_ROLES[role], int(fmt)
+        return int(lib.COLI_PART_OTHER), 0, 0
 
     @property
     def biased(self) -> bool:

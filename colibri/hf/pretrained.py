@@ -10,7 +10,7 @@ from colibri.errors import ColibriError, FormatError
 from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED_MODEL_TYPES,
                                UnsupportedModelError, check_quantization, read_config)
 from colibri.hf.loaders import register
-from colibri.hf.runtime import RouterPilot, Runtime, experts_modules
+from colibri.hf.runtime import KERNELS, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
 
 __all__ = ["from_pretrained", "module_parent_gate", "runtime_of", "store_of"]
@@ -27,6 +27,7 @@ def from_pretrained(
     prefetch_workers: int = 2,
     direct_io: bool | None = None,
     torch_dtype: Any = None,
+    kernels: str = "native",
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -37,8 +38,12 @@ def from_pretrained(
     ``"off"`` or None off (the store then starts no I/O workers, whatever
     ``prefetch_workers`` says), ``direct_io`` reads with O_DIRECT,
     ``torch_dtype`` is transformers' ``dtype`` (None: what
-    ``AutoModelForCausalLM.from_pretrained`` picks). Other keywords go to
-    :func:`colibri.open_store`.
+    ``AutoModelForCausalLM.from_pretrained`` picks). ``kernels="native"``
+    (the default) computes every routed expert with colibri's kernels
+    straight from its slot, whatever its format; ``"torch"`` dequantizes
+    each leased expert into torch tensors and runs the module's own code
+    (the path before the kernels, for comparison and as a fallback). Other
+    keywords go to :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
     weight; on any error nothing is left open. Close the store with
@@ -48,6 +53,8 @@ def from_pretrained(
     if prefetch not in _PREFETCH_CHOICES:
         raise FormatError(f"prefetch must be 'pilot', 'off' or None, not {prefetch!r}")
     pilot_on = prefetch == "pilot"
+    if kernels not in KERNELS:
+        raise FormatError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
     if "layout" in store_options:
         raise FormatError("colibri.hf chooses the layout from the checkpoint; do not pass layout")
     method = check_quantization(path, read_config(path))
@@ -66,7 +73,7 @@ def from_pretrained(
     store = open_store(path, **options)
     try:
         model = _load(path, configs[loader], loader, torch_dtype)
-        _attach(path, model, store, pilot_on)
+        _attach(path, model, store, pilot_on, kernels)
         return model
     except BaseException:
         store.close()
@@ -102,7 +109,7 @@ def _load(path: str, config_cls: Any, loader: str, torch_dtype: Any) -> Any:
     return model_cls.from_pretrained(path, **kwargs)
 
 
-def _attach(path: str, model: Any, store: Store, pilot_on: bool) -> None:
+def _attach(path: str, model: Any, store: Store, pilot_on: bool, kernels: str) -> None:
     """Binds the model's experts modules to a :class:`Runtime` over ``store``,
     after checking that the model and the checkpoint agree on them."""
     experts = experts_modules(model)
@@ -121,7 +128,7 @@ def _attach(path: str, model: Any, store: Store, pilot_on: bool) -> None:
         gates = {layer: module_parent_gate(model, layer) for layer in moe_layers}
         top_k = {layer: int(g.top_k) for layer, g in gates.items()}
         pilot = RouterPilot(store, gates, top_k)
-    runtime = Runtime(store, pilot, moe_layers)
+    runtime = Runtime(store, pilot, moe_layers, kernels)
     for layer, module in experts.items():
         module.colibri_binding = (runtime, layer)
     model.colibri = runtime

@@ -4,8 +4,13 @@ and routing hooks) and the experts' forward that transformers' experts
 interface calls (:func:`colibri_experts_forward`).
 
 The forward leases the union of the experts the batch chose
-(``Store.lease_many``), in groups that fit the layer's slots, computes them
-with the module's own gating and releases them before returning.
+(``Store.lease_many``), in groups that fit the layer's slots, and releases
+them before returning. By default (``kernels="native"``) each group is one
+call of colibri's kernels over all its (token, expert) rows, straight from
+the slots; ``kernels="torch"`` dequantizes each leased expert to torch
+tensors and runs the module's own gating. A union larger than the cache
+streams through it once: with I/O workers, half the slots hold the group
+that computes while the next group is prefetched into the other half.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.pilot import Pilot
 from colibri.store import Store
+from colibri.kernels import experts_ffn
+from colibri.moe import LayerStream
 from colibri.torch_interop import as_torch, dequantize_torch
 
-__all__ = ["LayerProgress", "Runtime", "RouterPilot", "colibri_experts_forward", "experts_modules"]
+__all__ = ["KERNELS", "LayerProgress", "Runtime", "RouterPilot", "colibri_experts_forward",
+           "experts_modules"]
+
+#: How the routed experts are computed: colibri's native kernels straight from
+#: the slots (the default), or dequantized to torch tensors per lease.
+KERNELS: tuple[str, ...] = ("native", "torch")
 
 _EXPERTS_PATH = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
@@ -56,6 +68,9 @@ class RouterPilot(Pilot):
         self._gates = gates
 
     def predict(self, layer: int, hidden: Any) -> tuple[int, ...]:
+        """The experts of ``layer`` that ``hidden`` routes to, most voted
+        first, at most as many as the layer has slots (a prefill's union may
+        be larger: prefetching more would evict what was just prefetched)."""
         gate = self._gates.get(operator.index(layer))
         if gate is None or hidden.shape[0] == 0:
             return ()
@@ -65,7 +80,8 @@ class RouterPilot(Pilot):
             _, _, index = gate(hidden)
         chosen, votes = torch.unique(index, return_counts=True)
         order = torch.argsort(votes, descending=True, stable=True)
-        return tuple(int(e) for e in chosen[order].tolist())
+        slots = self._store.slots(layer)
+        return tuple(int(e) for e in chosen[order][:slots].tolist())
 
 
 class Runtime:
@@ -73,8 +89,13 @@ class Runtime:
     PILOT (None when prefetch is off), and hooks for progress and routing
     traces. Reach it with :func:`runtime_of`."""
 
-    def __init__(self, store: Store, pilot: RouterPilot | None, moe_layers: tuple[int, ...]) -> None:
+    def __init__(self, store: Store, pilot: RouterPilot | None, moe_layers: tuple[int, ...],
+                 kernels: str = "native") -> None:
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
         self.store = store
+        #: "native": routed experts computed by colibri's kernels from the slots; "torch": dequantized
+        self.kernels = kernels
         self.pilot = pilot
         self.moe_layers = moe_layers
         self._position = {layer: i for i, layer in enumerate(moe_layers)}
@@ -83,6 +104,8 @@ class Runtime:
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
         self.routing: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self._predicted: dict[int, tuple[int, ...]] = {}
+        # Each layer's kernel activation (None: the torch path), asked once.
+        self._activations: dict[int, tuple[str, float, float] | None] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -108,16 +131,112 @@ class Runtime:
 
     def experts_forward(self, module: Any, layer: int, hidden_states: Any, top_k_index: Any,
                         top_k_weights: Any) -> Any:
-        import torch
         store = self.store
         if store.closed:
             raise ColibriError(f"layer {layer}: the model's colibri store is closed "
                                "(colibri_close() was called)")
-        tokens, k = top_k_index.shape
-        hidden_dim = hidden_states.shape[-1]
         if self.routing is not None:
             self.routing(layer, top_k_index.detach().cpu().numpy().astype(np.int64),
                          top_k_weights.detach().float().cpu().numpy())
+        pairs = _Pairs(top_k_index)
+        pilot = self.pilot
+        if pilot is not None:
+            pilot.observe(layer, pairs.union)
+        # A union larger than the cache streams through it (LayerStream).
+        stream = LayerStream(store, layer, self._order(layer, pairs.union))
+        kernel = self._kernel_of(layer, module)
+        if kernel is None:
+            out = self._forward_torch(module, layer, hidden_states, top_k_weights, pairs, stream)
+        else:
+            out = self._forward_native(kernel, layer, hidden_states, top_k_weights, pairs, stream)
+        if self.progress is not None:
+            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
+                                        pairs.tokens, len(pairs.union), len(stream)))
+        return out
+
+    def _kernel_of(self, layer: int, module: Any) -> tuple[str, float, float] | None:
+        """How the native kernel computes ``module``'s experts: (activation,
+        alpha, limit), or None for the torch path (kernels="torch", or gating
+        the kernels do not have). Asked once per layer."""
+        if self.kernels == "torch":
+            return None
+        if layer not in self._activations:
+            self._activations[layer] = _kernel_activation(module)
+        return self._activations[layer]
+
+    def _predict(self, layer: int, hidden_states: Any) -> None:
+        pilot = self.pilot
+        if pilot is None:
+            return
+        nxt = pilot.next_layer(layer)
+        if nxt is not None:
+            self._predicted[nxt] = pilot.predict_next(layer, hidden_states)
+
+    def _forward_torch(self, module: Any, layer: int, hidden_states: Any, top_k_weights: Any,
+                       pairs: "_Pairs", stream: LayerStream) -> Any:
+        """Each leased expert dequantized to torch tensors and run with the
+        module's own gating (``kernels="torch"``)."""
+        import torch
+
+        tokens, k = pairs.tokens, pairs.k
+        out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+        out = torch.zeros(tokens, k, hidden_states.shape[-1], dtype=out_dtype,
+                          device=hidden_states.device)
+        ffn = _expert_ffn(module)
+        compute_dtype = hidden_states.dtype
+        for g, leased in enumerate(stream):
+            if g == 0:
+                self._predict(layer, hidden_states)
+            for ex in leased:
+                ts, js = pairs.rows[ex.key[1]]
+                weights = _weights(ex, compute_dtype)
+                if len(ts) == 1:
+                    t, j = ts[0], js[0]
+                    y = ffn(hidden_states[t:t + 1], *weights)
+                    # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
+                    out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
+                else:
+                    token_idx = torch.tensor(ts, device=hidden_states.device)
+                    pos = torch.tensor(js, device=hidden_states.device)
+                    y = ffn(hidden_states[token_idx], *weights)
+                    out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
+                del weights
+        return out.sum(dim=1).to(hidden_states.dtype)
+
+    def _forward_native(self, kernel: tuple[str, float, float], layer: int, hidden_states: Any,
+                        top_k_weights: Any, pairs: "_Pairs", stream: LayerStream) -> Any:
+        """Every (token, expert) pair's row gathered by expert, each lease
+        group computed in one native call straight from the slots, the rows
+        weighted and added back per token."""
+        import torch
+
+        activation, alpha, limit = kernel
+        perm, counts = pairs.by_expert([e for group in stream.groups for e in group])
+        x = hidden_states[perm // pairs.k]
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        y = torch.empty(x.shape, dtype=torch.float32)
+        start = first = 0
+        for g, leased in enumerate(stream):
+            if g == 0:
+                self._predict(layer, hidden_states)
+            end = start + len(leased)
+            rows = int(counts[start:end].sum())
+            experts_ffn(leased, x[first:first + rows], counts[start:end], out=y[first:first + rows],
+                        activation=activation, alpha=alpha, limit=limit)
+            start, first = end, first + rows
+        w = top_k_weights.reshape(-1)[perm].to(torch.float32)
+        out = torch.zeros(pairs.tokens, hidden_states.shape[-1], dtype=torch.float32)
+        out.index_add_(0, perm // pairs.k, y * w[:, None])
+        return out.to(hidden_states.dtype)
+
+
+class _Pairs:
+    """The (token, position) pairs of a batch's routing, by expert."""
+
+    def __init__(self, top_k_index: Any) -> None:
+        self.index = top_k_index
+        self.tokens, self.k = (int(n) for n in top_k_index.shape)
         # Which (token, position) pairs chose each expert, in one pass over a
         # small host list (cheaper than a torch.where per expert at decode).
         rows: dict[int, tuple[list[int], list[int]]] = {}
@@ -128,44 +247,33 @@ class Runtime:
                     r = rows[e] = ([], [])
                 r[0].append(t)
                 r[1].append(j)
-        union = sorted(rows)
-        pilot = self.pilot
-        if pilot is not None:
-            pilot.observe(layer, union)
-        order = self._order(layer, union)
-        slots = store.slots(layer)
-        groups = [order[i:i + slots] for i in range(0, len(order), slots)]
-        out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-        out = torch.zeros(tokens, k, hidden_dim, dtype=out_dtype, device=hidden_states.device)
-        ffn = _expert_ffn(module)
-        compute_dtype = hidden_states.dtype
-        for g, group in enumerate(groups):
-            with store.lease_many(layer, group) as leased:
-                if g == 0 and pilot is not None:
-                    nxt = pilot.next_layer(layer)
-                    if nxt is not None:
-                        predicted = pilot.predict_next(layer, hidden_states)
-                        self._predicted[nxt] = predicted
-                for ex in leased:
-                    ts, js = rows[ex.key[1]]
-                    weights = _weights(ex, compute_dtype)
-                    if len(ts) == 1:
-                        t, j = ts[0], js[0]
-                        x = hidden_states[t:t + 1]
-                        y = ffn(x, *weights)
-                        # a 1-element weight, not a 0-d one: bf16 * f32 must promote as in transformers
-                        out[t, j] = (y[0] * top_k_weights[t, j:j + 1]).to(out_dtype)
-                    else:
-                        token_idx = torch.tensor(ts, device=hidden_states.device)
-                        pos = torch.tensor(js, device=hidden_states.device)
-                        x = hidden_states[token_idx]
-                        y = ffn(x, *weights)
-                        out[token_idx, pos] = (y * top_k_weights[token_idx, pos, None]).to(out_dtype)
-                    del weights
-        if self.progress is not None:
-            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
-                                        tokens, len(union), len(groups)))
-        return out.sum(dim=1).to(hidden_states.dtype)
+        self.rows = rows
+        self.union = sorted(rows)
+
+    def by_expert(self, order: list[int]) -> tuple[Any, np.ndarray]:
+        """The pairs (flat indices ``token * k + position``) grouped by expert
+        in ``order``, and how many pairs each expert of ``order`` has."""
+        import torch
+
+        flat = [t * self.k + j for e in order for t, j in zip(*self.rows[e])]
+        counts = np.fromiter((len(self.rows[e][0]) for e in order), dtype=np.int64, count=len(order))
+        return torch.tensor(flat, dtype=torch.int64), counts
+
+
+def _kernel_activation(module: Any) -> tuple[str, float, float] | None:
+    """(activation, alpha, limit) of the native kernel that computes what
+    ``module``'s gating computes, or None when the kernels have no such
+    gating: transformers' default ``act_fn(gate) * up`` with SiLU, and
+    gpt-oss's clamped SwiGLU (its own ``_apply_gate``)."""
+    custom = getattr(type(module), "_apply_gate", None)
+    if custom is not None and custom is not _default_apply_gate():
+        if type(module).__name__ == "GptOssExperts" and hasattr(module, "alpha"):
+            return ("gpt_oss", float(module.alpha), float(module.limit))
+        return None
+    act = getattr(module, "act_fn", None)
+    if type(act).__name__ in ("SiLU", "SiLUActivation"):
+        return ("silu", 1.702, 7.0)
+    return None
 
 
 _Weights = tuple[Any, Any, Any, Any, Any, Any]
