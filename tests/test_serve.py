@@ -316,7 +316,7 @@ class _LeaseLog:
 
 
 def test_batched_replay_is_what_the_engine_leases(tiny: str, tokenizer: Any) -> None:
-    """colibri.replay.batched (expert-id order) writes out the very lease_many
+    """colibri.replay.batched (shared-first order) writes out the very lease_many
     calls the engine's decode steps make (prefetch off), so replaying a
     batched trace is replaying this server."""
     from colibri import Trace
@@ -372,7 +372,7 @@ def test_batched_replay_is_what_the_engine_leases(tiny: str, tokenizer: Any) -> 
                 decode[layer] += [experts for _, experts in log.calls[at:at + groups]]
             at += groups
         assert at == len(log.calls)
-        expected = batched(solo, len(prompts), slots_per_layer=4)
+        expected = batched(solo, len(prompts), slots_per_layer=4, order="shared-first")
         want = {layer: [tuple(e for e in row if e >= 0) for row in expected.experts[:, i].tolist()
                         if any(e >= 0 for e in row)] for i, layer in enumerate(layers)}
         assert decode == want
