@@ -2,15 +2,19 @@
  * ffn.c: the expert FFN driver: checks a call, chooses each matrix's kernel
  * for the path, and runs the phases on the compute pool:
  *
- *   0. the tokens' inputs as float, in the gate kernel's input order;
- *   1. gate and up (or gate_up) panels, split over the threads, into a
+ *   0. the tokens' inputs the way the gate (and up) kernel wants them
+ *      (float32 or bfloat16, in its order, with per-group sums);
+ *   1. gate and up (or gate_up) outputs, split over the threads, into a
  *      float buffer of both halves (plus their biases);
  *   2. the activation, split over the intermediate units, written in the
  *      down kernel's input order;
- *   3. down panels, split over the threads, straight into the output.
+ *   3. down outputs, split over the threads, into the output (bias added,
+ *      rounded to bfloat16 when the output is).
  *
  * Buffers scale with the tokens of a batch; a call with more tokens than
- * one batch holds runs batch after batch (each re-reading the weights).
+ * one batch holds runs batch after batch (each re-reading the weights,
+ * which at that size costs little next to the products). A token's result
+ * does not depend on the batch: see ffn_internal.h.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -94,41 +98,46 @@ int coli_ffn_isa_default(char *err, size_t err_len) {
     return isa_default.isa;
 }
 
-static const ColiFfnIsaOps *ops_for(int isa) {
-    switch (isa) {
-#if defined(__x86_64__) || defined(__i386__)
-    case COLI_FFN_ISA_AVX2: return &coli_ffn_ops_avx2;
-    case COLI_FFN_ISA_AVX512: return &coli_ffn_ops_avx512;
-#endif
-#if defined(__aarch64__)
-    case COLI_FFN_ISA_NEON: return &coli_ffn_ops_neon;
-#endif
-    default: return &coli_ffn_ops_scalar;
-    }
-}
-
-/* A path's own kernel for the format, else the scalar decoder (run with
- * the path's micro-kernels); NULL when no kernel computes it. */
-static const ColiFfnKernel *kernel_for(int isa, ColiTensorFormat format, int in_out) {
+/* A path's own kernel for the matrix, else the scalar one (NULL when none
+ * computes it). input: what it multiplies (COLI_FFN_INPUT_*). */
+static const ColiFfnKernel *kernel_for(int isa, const ColiFfnMat *m, int input) {
     const ColiFfnKernel *k = NULL;
 #if defined(__x86_64__) || defined(__i386__)
-    if (isa == COLI_FFN_ISA_AVX512) k = coli_ffn_kernel_avx512(format, in_out);
-    if (isa == COLI_FFN_ISA_AVX2) k = coli_ffn_kernel_avx2(format, in_out);
+    if (isa == COLI_FFN_ISA_AVX512) k = coli_ffn_kernel_avx512(m, input);
+    if (isa == COLI_FFN_ISA_AVX2) k = coli_ffn_kernel_avx2(m);
+#endif
+#if defined(__aarch64__)
+    if (isa == COLI_FFN_ISA_NEON) k = coli_ffn_kernel_neon(m);
+#endif
+    (void)isa, (void)input;
+    return k ? k : coli_ffn_kernel_scalar(m);
+}
+
+static ColiFfnActFn act_for(int isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa == COLI_FFN_ISA_AVX512) return coli_ffn_act_avx512;
+    if (isa == COLI_FFN_ISA_AVX2) return coli_ffn_act_avx2;
 #endif
     (void)isa;
-    return k ? k : coli_ffn_kernel_scalar(format, in_out);
+    return coli_ffn_act_scalar;
 }
 
 const char *coli_ffn_kernel_name(int isa, int format, int in_out) {
     if (isa < 0 || isa >= COLI_FFN_N_ISA) return NULL;
-    const ColiFfnKernel *k = kernel_for(isa, (ColiTensorFormat)format, in_out != 0);
+    ColiFfnMat m;  /* a typical matrix of the format: groups of 128 inputs */
+    memset(&m, 0, sizeof m);
+    m.format = (ColiTensorFormat)format;
+    m.in_out = in_out != 0;
+    m.n_out = m.n_in = 1024;
+    m.group = m.block_columns = m.block_rows = 128;
+    m.groups = 8;
+    const ColiFfnKernel *k = kernel_for(isa, &m, COLI_FFN_INPUT_F32);
     return k ? k->name : NULL;
 }
 
 /* ------------------------------------------------------------ checks */
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-static int64_t round_up(int64_t v, int64_t to) { return ceil_div(v, to) * to; }
 
 static int scale_size(ColiScaleFormat f) {
     switch (f) {
@@ -250,7 +259,7 @@ static int describe(ColiFfnMat *m, const ColiFfnMatrix *src, const char *what, c
     if (!v->data || v->rows <= 0 || v->columns <= 0 || v->rows > (1 << 30) || v->columns > (1 << 30))
         return coli_fail(err, err_len, COLI_EINVAL, "%s: no data, or shape %lld x %lld", what,
                          (long long)v->rows, (long long)v->columns);
-    if (!coli_ffn_kernel_scalar(v->format, m->in_out))
+    if (!coli_ffn_format_computed(v->format, m->in_out))
         return coli_fail(err, err_len, COLI_EINVAL, "%s: format %d stored %s is not computed",
                          what, (int)v->format, m->in_out ? "(in, out)" : "(out, in)");
     uint64_t want = data_bytes(v->format, v->rows, v->columns);
@@ -327,41 +336,49 @@ static int check_call(const ColiFfnExpert *e, const ColiFfnCall *c, const ColiFf
 
 /* ------------------------------------------------------------ one call */
 
-/* One matrix of a phase: its kernel, where its outputs go. */
+/* A matrix of a phase: its kernel, its inputs, where its sums go. */
 typedef struct {
     const ColiFfnMat *m;
     const ColiFfnKernel *k;
     const float *bias;          /* float, or NULL */
-    int64_t panels;
-    float *dst;                 /* F32 destination, or NULL */
-    uint16_t *dst_bf16;         /* BF16 destination, or NULL */
-    int64_t dst_stride;
-    int64_t dst_offset;         /* column of output 0 */
+    int64_t units;              /* of k->unit outputs */
+    int input;                  /* which prepared input (gate and up) */
+    float *dst;                 /* sums: dst[t * ld_dst + n] */
+    int64_t ld_dst;
 } MatJob;
+
+/* The tokens' inputs the way a kernel wants them. */
+typedef struct {
+    const ColiFfnKernel *k;
+    const ColiFfnMat *m;
+    void *x;                    /* batch rows of ldx elements */
+    int64_t ldx;
+    float *xs;                  /* per-group sums, batch rows of groups, or NULL */
+} Input;
 
 typedef struct {
     const ColiFfnExpert *e;
     const ColiFfnCall *c;
-    const ColiFfnIsaOps *ops;
+    ColiFfnActFn act;
     ColiComputePool *pool;
     MatJob first[2];            /* gate, up (n_first 1 when fused) */
     int n_first;
     MatJob down;
+    Input in[2];                /* gate's and, when it wants them otherwise, up's */
+    int n_in;
+    Input h;                    /* the activations, down's way (sums per thread) */
     int64_t hidden, inter;
     int64_t t0, tokens;         /* this batch */
-    float *x;                   /* tokens x ldx, in the gate kernel's input order */
-    int64_t ldx;
     float *gu;                  /* tokens x 2 inter: gate then up (or the fused order) */
-    float *h;                   /* tokens x ldh, in the down kernel's input order */
-    int64_t ldh;
+    float *y;                   /* BF16 output: tokens x hidden sums; NULL: into out */
     uint8_t *scratch;           /* per thread */
-    size_t scratch_bytes;
-    int64_t tile_floats, acc_floats, aux_floats;
+    size_t scratch_bytes, kernel_bytes, temp_bytes;
 } Run;
 
-static int64_t kpos_of(const ColiFfnKernel *k, int64_t j) {
-    if (k->layout != COLI_FFN_DOT || !k->kpos) return j;
-    return (j & ~(int64_t)(COLI_FFN_KBLOCK - 1)) + k->kpos[j % COLI_FFN_KBLOCK];
+static int same_input(const ColiFfnKernel *a, const ColiFfnMat *ma, const ColiFfnKernel *b,
+                      const ColiFfnMat *mb) {
+    return a->x_type == b->x_type && a->x_order == b->x_order && a->group_sums == b->group_sums &&
+           (!a->group_sums || ma->group == mb->group);
 }
 
 static void split(int64_t n, int thread, int threads, int64_t *lo, int64_t *hi) {
@@ -369,95 +386,60 @@ static void split(int64_t n, int thread, int threads, int64_t *lo, int64_t *hi) 
     *hi = n * (thread + 1) / threads;
 }
 
-/* The sum of a DOT accumulator's lanes, as a tree: independent adds, not
- * a chain of sixteen (which costs more than the whole row at T = 1). */
-static float lane_sum(const float *a) {
-    float s[COLI_FFN_DOT_LANES / 2];
-    for (int l = 0; l < COLI_FFN_DOT_LANES / 2; l++) s[l] = a[l] + a[l + COLI_FFN_DOT_LANES / 2];
-    for (int l = 0; l < COLI_FFN_DOT_LANES / 4; l++) s[l] += s[l + COLI_FFN_DOT_LANES / 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
+/* Per-group sums of a row of n floats (groups of group). */
+static void group_sums(const float *row, int64_t n, int64_t group, float *out) {
+    for (int64_t g = 0, k = 0; k < n; g++, k += group)
+        out[g] = coli_ffn_group_sum(row + k, n - k < group ? n - k : group);
 }
 
-static void finish_panel(const Run *run, const MatJob *j, int64_t n0, int nr, const float *acc) {
-    const ColiFfnKernel *k = j->k;
-    int panel = k->panel;
-    for (int64_t t = 0; t < run->tokens; t++) {
-        int64_t row = t * j->dst_stride + j->dst_offset + n0;
-        for (int r = 0; r < nr; r++) {
-            float v;
-            if (k->layout == COLI_FFN_DOT) {
-                v = lane_sum(acc + (t * COLI_FFN_DOT_ROWS + r) * COLI_FFN_DOT_LANES);
-            } else {
-                v = acc[t * panel + (k->colpos ? k->colpos[r] : r)];
-            }
-            if (j->bias) v += j->bias[n0 + r];
-            if (j->dst_bf16) j->dst_bf16[row + r] = coli_f32_to_bf16(v);
-            else j->dst[row + r] = v;
-        }
+/* Writes inputs [i0, i0 + n) of token t (values v, in order) the way in wants them. */
+static void put_values(const Input *in, int64_t t, int64_t i0, const float *v, int64_t n) {
+    int order = in->k->x_order;
+    if (in->k->x_type == COLI_FFN_X_F32) {
+        float *dst = (float *)in->x + t * in->ldx;
+        if (order == COLI_FFN_ORDER_PLAIN) memcpy(dst + i0, v, sizeof(float) * (size_t)n);
+        else for (int64_t i = 0; i < n; i++) dst[coli_ffn_pos(order, i0 + i)] = v[i];
+        return;
+    }
+    uint16_t *dst = (uint16_t *)in->x + t * in->ldx;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = coli_ffn_pos(order, i0 + i);
+        uint16_t hi = coli_f32_to_bf16(v[i]);
+        dst[p] = hi;
+        if (in->k->x_type == COLI_FFN_X_BF16_SPLIT)
+            dst[in->ldx / 2 + p] = coli_f32_to_bf16(v[i] - coli_bf16_to_f32(hi));
     }
 }
 
-static void run_panels(const Run *run, const MatJob *j, int64_t p0, int64_t p1, const float *x,
-                       int64_t ldx, uint8_t *scratch) {
-    const ColiFfnMat *m = j->m;
-    const ColiFfnKernel *k = j->k;
-    float *tile = (float *)scratch;
-    float *acc = tile + run->tile_floats;
-    float *aux = k->prepare ? acc + run->acc_floats : NULL;
-    int tokens = (int)run->tokens;
-    int64_t acc_n = run->tokens * (k->layout == COLI_FFN_DOT
-                                       ? COLI_FFN_DOT_ROWS * COLI_FFN_DOT_LANES : k->panel);
-    for (int64_t p = p0; p < p1; p++) {
-        int64_t n0 = p * k->panel;
-        int nr = (int)(m->n_out - n0 < k->panel ? m->n_out - n0 : k->panel);
-        if (k->prepare) k->prepare(m, k, n0, nr, aux);
-        memset(acc, 0, sizeof(float) * (size_t)acc_n);
-        if (k->layout == COLI_FFN_DOT && nr < COLI_FFN_DOT_ROWS)
-            memset(tile + (int64_t)nr * k->kc, 0,
-                   sizeof(float) * (size_t)((COLI_FFN_DOT_ROWS - nr) * k->kc));
-        /* A fused kernel takes whole rows at once (one stream per row for
-         * the prefetchers), or declines and the tile path runs. */
-        int fused = k->fused && tokens <= COLI_FFN_FUSED_TOKENS &&
-                    k->fused(m, k, n0, nr, 0, (int)m->n_in, x, ldx, tokens, acc, aux);
-        for (int64_t k0 = 0; !fused && k0 < m->n_in; k0 += k->kc) {
-            int kc = (int)(m->n_in - k0 < k->kc ? m->n_in - k0 : k->kc);
-            k->decode(m, k, n0, nr, k0, kc, tile, aux);
-            if (k->layout == COLI_FFN_DOT)
-                run->ops->dot(tile, k->kc, (int)round_up(kc, COLI_FFN_KBLOCK), x + k0, ldx,
-                              tokens, acc);
-            else
-                run->ops->axpy(tile, k->panel, kc, k->panel, x + k0, ldx, tokens, acc);
-        }
-        finish_panel(run, j, n0, nr, acc);
-    }
+/* Writes one token's float inputs (natural order) the way in wants them. */
+static void put_input(const Input *in, int64_t t, const float *row, int64_t n) {
+    put_values(in, t, 0, row, n);
+    if (in->xs) group_sums(row, n, in->m->group, in->xs + t * in->m->groups);
 }
 
-/* Phase 0: this thread's tokens as float, in the first kernel's order. */
-static void load_inputs(const Run *run, int thread, int threads) {
+/* Phase 0: this thread's tokens. */
+static void load_inputs(const Run *run, float *row, int thread, int threads) {
     int64_t lo, hi;
     split(run->tokens, thread, threads, &lo, &hi);
-    const ColiFfnKernel *k = run->first[0].k;
     for (int64_t t = lo; t < hi; t++) {
-        float *dst = run->x + t * run->ldx;
         int64_t src_row = (run->t0 + t) * run->c->x_stride;
         if (run->c->x_format == COLI_TENSOR_F32) {
-            const float *src = (const float *)run->c->x + src_row;
-            for (int64_t i = 0; i < run->hidden; i++) dst[kpos_of(k, i)] = src[i];
+            memcpy(row, (const float *)run->c->x + src_row, sizeof(float) * (size_t)run->hidden);
         } else {
             const uint16_t *src = (const uint16_t *)run->c->x + src_row;
-            for (int64_t i = 0; i < run->hidden; i++) dst[kpos_of(k, i)] = coli_bf16_to_f32(src[i]);
+            for (int64_t i = 0; i < run->hidden; i++) row[i] = coli_bf16_to_f32(src[i]);
         }
+        for (int i = 0; i < run->n_in; i++) put_input(&run->in[i], t, row, run->hidden);
     }
 }
 
 /* Phase 2: the activation of this thread's intermediate units. */
-static void activate(const Run *run, uint8_t *scratch, int thread, int threads) {
+static void activate(const Run *run, float *tmp, int thread, int threads) {
     int64_t lo, hi;
     split(run->inter, thread, threads, &lo, &hi);
     int64_t n = hi - lo;
     if (n <= 0) return;
-    float *g = (float *)scratch, *u = g + n, *h = u + n;
-    const ColiFfnKernel *k = run->down.k;
+    float *g = tmp, *u = g + n, *h = u + n;
     for (int64_t t = 0; t < run->tokens; t++) {
         const float *row = run->gu + t * 2 * run->inter;
         if (run->e->fused == COLI_FFN_INTERLEAVED) {
@@ -465,34 +447,74 @@ static void activate(const Run *run, uint8_t *scratch, int thread, int threads) 
                 g[i] = row[2 * (lo + i)];
                 u[i] = row[2 * (lo + i) + 1];
             }
-            run->ops->act(run->e->activation, run->e->alpha, run->e->limit, g, u, h, n);
+            run->act(run->e->activation, run->e->alpha, run->e->limit, g, u, h, n);
         } else {
-            run->ops->act(run->e->activation, run->e->alpha, run->e->limit, row + lo,
-                          row + run->inter + lo, h, n);
+            run->act(run->e->activation, run->e->alpha, run->e->limit, row + lo,
+                     row + run->inter + lo, h, n);
         }
-        float *dst = run->h + t * run->ldh;
-        for (int64_t i = 0; i < n; i++) dst[kpos_of(k, lo + i)] = h[i];
+        put_values(&run->h, t, lo, h, n);
+    }
+}
+
+/* Outputs [a, b) units of a matrix: the kernel's sums, then the bias. */
+static void run_units(const Run *run, const MatJob *j, const Input *in, const float *xs,
+                      int64_t a, int64_t b, uint8_t *scratch) {
+    int64_t n0 = a * j->k->unit, n1 = b * j->k->unit < j->m->n_out ? b * j->k->unit : j->m->n_out;
+    if (n0 >= n1) return;
+    ColiFfnTask task = {in->x, in->ldx, xs, j->m->groups, (int)run->tokens, j->dst, j->ld_dst,
+                        scratch};
+    j->k->run(j->m, n0, n1, &task);
+    if (!j->bias) return;
+    for (int64_t t = 0; t < run->tokens; t++)
+        for (int64_t n = n0; n < n1; n++) j->dst[t * j->ld_dst + n] += j->bias[n];
+}
+
+/* Down's outputs [n0, n1) of the batch from its sums into the call's output. */
+static void store_output(const Run *run, int64_t n0, int64_t n1) {
+    if (!run->y) return;  /* F32: the sums were the output */
+    const ColiFfnCall *c = run->c;
+    for (int64_t t = 0; t < run->tokens; t++) {
+        uint16_t *dst = (uint16_t *)c->out + (run->t0 + t) * c->out_stride;
+        for (int64_t n = n0; n < n1; n++) dst[n] = coli_f32_to_bf16(run->y[t * run->hidden + n]);
     }
 }
 
 static void run_thread(void *ctx, int thread, int threads) {
     const Run *run = ctx;
     uint8_t *scratch = run->scratch + (size_t)thread * run->scratch_bytes;
-    load_inputs(run, thread, threads);
+    float *tmp = (float *)(scratch + run->kernel_bytes);
+    load_inputs(run, tmp, thread, threads);
     coli_compute_pool_barrier(run->pool);
     int64_t total = 0, lo, hi;
-    for (int i = 0; i < run->n_first; i++) total += run->first[i].panels;
+    for (int i = 0; i < run->n_first; i++) total += run->first[i].units;
     split(total, thread, threads, &lo, &hi);
-    for (int i = 0, base = 0; i < run->n_first; base += (int)run->first[i].panels, i++) {
-        int64_t a = lo > base ? lo - base : 0;
-        int64_t b = hi - base < run->first[i].panels ? hi - base : run->first[i].panels;
-        if (a < b) run_panels(run, &run->first[i], a, b, run->x, run->ldx, scratch);
+    for (int i = 0, base = 0; i < run->n_first; base += (int)run->first[i].units, i++) {
+        const MatJob *j = &run->first[i];
+        const Input *in = &run->in[j->input];
+        int64_t a = lo > base ? lo - base : 0, b = hi - base < j->units ? hi - base : j->units;
+        if (a < b) run_units(run, j, in, in->xs, a, b, scratch);
     }
     coli_compute_pool_barrier(run->pool);
-    activate(run, scratch, thread, threads);
+    activate(run, tmp, thread, threads);
     coli_compute_pool_barrier(run->pool);
-    split(run->down.panels, thread, threads, &lo, &hi);
-    run_panels(run, &run->down, lo, hi, run->h, run->ldh, scratch);
+    float *hs = NULL;
+    if (run->down.k->group_sums) {  /* every thread needs them all: each adds them up itself */
+        const ColiFfnMat *m = run->down.m;
+        hs = (float *)(scratch + run->kernel_bytes + run->temp_bytes);
+        for (int64_t t = 0; t < run->tokens; t++)
+            for (int64_t g = 0; g < m->groups; g++) {
+                float *row = tmp;
+                int64_t k0 = g * m->group, n = m->n_in - k0 < m->group ? m->n_in - k0 : m->group;
+                for (int64_t i = 0; i < n; i++)
+                    row[i] = ((const float *)run->h.x)[t * run->h.ldx +
+                                                       coli_ffn_pos(run->h.k->x_order, k0 + i)];
+                hs[t * m->groups + g] = coli_ffn_group_sum(row, n);
+            }
+    }
+    split(run->down.units, thread, threads, &lo, &hi);
+    run_units(run, &run->down, &run->h, hs, lo, hi, scratch);
+    int64_t unit = run->down.k->unit;
+    store_output(run, lo * unit, hi * unit < run->hidden ? hi * unit : run->hidden);
 }
 
 /* The biases as float (NULL where none), in one allocation. */
@@ -521,12 +543,49 @@ static float *float_biases(const ColiFfnMatrix *const src[3], const ColiFfnMat *
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static int64_t input_floats(const Input *in) {
+    int64_t per = in->k->x_type != COLI_FFN_X_F32 ? (in->ldx + 1) / 2 : in->ldx;
+    return per + (in->k->group_sums ? in->m->groups : 0);
+}
+
+/* Elements of a row of inputs (a split row has both parts). */
+static int64_t input_ld(const ColiFfnKernel *k, int64_t n) {
+    int64_t ld = (n + COLI_FFN_BLOCK - 1) / COLI_FFN_BLOCK * COLI_FFN_BLOCK;
+    return k->x_type == COLI_FFN_X_BF16_SPLIT ? 2 * ld : ld;
+}
 
 /* Tokens per batch: as many as keep the batch's float buffers near 64 MiB,
  * at least 64. */
 static int64_t batch_tokens(int64_t tokens, int64_t per_token_floats) {
     int64_t cap = max64(64, ((int64_t)16 << 20) / max64(1, per_token_floats));
     return tokens < cap ? tokens : cap;
+}
+
+/* Lays out the batch buffers in block; returns its bytes (block NULL: only counts). */
+static size_t layout(Run *run, int64_t batch, uint8_t *block) {
+    size_t off = 0;
+#define TAKE(ptr, type, count)                                         \
+    do {                                                               \
+        if (block) ptr = (type *)(block + off);                        \
+        off += align64(sizeof(type) * (size_t)(count));                \
+    } while (0)
+    for (int i = 0; i < run->n_in; i++) {
+        Input *in = &run->in[i];
+        if (in->k->x_type != COLI_FFN_X_F32) TAKE(in->x, uint16_t, batch * in->ldx);
+        else TAKE(in->x, float, batch * in->ldx);
+        if (in->k->group_sums) TAKE(in->xs, float, batch * in->m->groups);
+    }
+    if (run->h.k->x_type != COLI_FFN_X_F32) TAKE(run->h.x, uint16_t, batch * run->h.ldx);
+    else TAKE(run->h.x, float, batch * run->h.ldx);
+    TAKE(run->gu, float, batch * 2 * run->inter);
+    if (run->c->out_format == COLI_TENSOR_BF16) TAKE(run->y, float, batch * run->hidden);
+    size_t shared = off;
+    TAKE(run->scratch, uint8_t, 0);
+#undef TAKE
+    (void)shared;
+    return off;
 }
 
 int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePool *pool,
@@ -562,7 +621,7 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
     memset(&run, 0, sizeof run);
     run.e = e;
     run.c = c;
-    run.ops = ops_for(isa);
+    run.act = act_for(isa);
     run.pool = pool;
     run.hidden = mats[0].n_in;
     run.inter = e->fused ? mats[0].n_out / 2 : mats[0].n_out;
@@ -571,55 +630,64 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
     const ColiFfnMat *mp[3] = {&mats[0], e->fused ? NULL : &mats[1], &mats[2]};
     float *bias[3];
     float *bias_block = float_biases(srcs, mp, bias);
-    int64_t aux = 0;
+    if ((e->gate.bias || (!e->fused && e->up.bias) || e->down.bias) && !bias_block)
+        return coli_fail(err, err_len, COLI_ENOMEM, "expert ffn: out of memory for the biases");
+    int bf16_call = c->x_format == COLI_TENSOR_BF16;
     for (int i = 0; i < 3; i++) {
         if (!mp[i]) continue;
         MatJob *j = i == 2 ? &run.down : &run.first[i];
         j->m = mp[i];
-        j->k = kernel_for(isa, mp[i]->format, mp[i]->in_out);
+        j->k = kernel_for(isa, mp[i], !bf16_call ? COLI_FFN_INPUT_F32
+                                      : i < 2 ? COLI_FFN_INPUT_BF16 : COLI_FFN_INPUT_ACT);
         j->bias = bias[i];
-        j->panels = ceil_div(mp[i]->n_out, j->k->panel);
-        if (j->k->aux_floats) aux = max64(aux, j->k->aux_floats(mp[i], j->k));
+        j->units = ceil_div(mp[i]->n_out, j->k->unit);
+        if (i == 2) continue;
+        if (i == 1 && same_input(run.in[0].k, run.in[0].m, j->k, j->m)) continue;
+        j->input = run.n_in;
+        run.in[run.n_in++] = (Input){j->k, j->m, NULL, input_ld(j->k, run.hidden), NULL};
     }
-    if ((e->gate.bias || (!e->fused && e->up.bias) || e->down.bias) && !bias_block)
-        return coli_fail(err, err_len, COLI_ENOMEM, "expert ffn: out of memory for the biases");
+    run.h = (Input){run.down.k, run.down.m, NULL, input_ld(run.down.k, run.inter), NULL};
     int threads = coli_compute_pool_threads(pool);
-    run.ldx = round_up(run.hidden, COLI_FFN_KBLOCK) + COLI_FFN_KBLOCK;
-    run.ldh = round_up(run.inter, COLI_FFN_KBLOCK) + COLI_FFN_KBLOCK;
-    int64_t per_token = run.ldx + run.ldh + 2 * run.inter;
+    int64_t per_token = 2 * run.inter + input_floats(&run.h) +
+                        (c->out_format == COLI_TENSOR_BF16 ? run.hidden : 0);
+    for (int i = 0; i < run.n_in; i++) per_token += input_floats(&run.in[i]);
     int64_t batch = batch_tokens(c->tokens, per_token);
-    run.tile_floats = max64(COLI_FFN_DOT_ROWS * COLI_FFN_DOT_KC, COLI_FFN_AXPY_KC * COLI_FFN_MAX_PANEL);
-    run.acc_floats = batch * max64(COLI_FFN_DOT_ROWS * COLI_FFN_DOT_LANES, COLI_FFN_MAX_PANEL);
-    run.aux_floats = aux;
-    int64_t act_floats = 3 * (run.inter / threads + 1);
-    int64_t thread_floats = round_up(max64(run.tile_floats + run.acc_floats + aux, act_floats), 16);
-    run.scratch_bytes = sizeof(float) * (size_t)thread_floats;
-    size_t shared = sizeof(float) * (size_t)(batch * per_token);
+    size_t kernel = 0;
+    for (int i = 0; i < 3; i++)
+        if (mp[i]) {
+            const ColiFfnKernel *k = i == 2 ? run.down.k : run.first[i].k;
+            kernel = kernel > k->scratch(mp[i], 0, mp[i]->n_out, (int)batch)
+                         ? kernel : k->scratch(mp[i], 0, mp[i]->n_out, (int)batch);
+        }
+    run.kernel_bytes = align64(kernel);
+    run.temp_bytes = align64(sizeof(float) * (size_t)max64(max64(run.hidden, run.inter),
+                                                           3 * (run.inter / threads + 1)));
+    size_t sums = run.down.k->group_sums ? sizeof(float) * (size_t)(batch * mats[2].groups) : 0;
+    run.scratch_bytes = run.kernel_bytes + run.temp_bytes + align64(sums);
+    size_t shared = layout(&run, batch, NULL);
+    size_t total = shared + run.scratch_bytes * (size_t)threads;
     void *block = NULL;
-    if (posix_memalign(&block, 64, shared + run.scratch_bytes * (size_t)threads)) {
+    if (posix_memalign(&block, 64, total)) {
         free(bias_block);
         return coli_fail(err, err_len, COLI_ENOMEM, "expert ffn: out of memory for %lld tokens "
-                         "(%zu bytes of buffers)", (long long)batch,
-                         shared + run.scratch_bytes * (size_t)threads);
+                         "(%zu bytes of buffers)", (long long)batch, total);
     }
-    run.x = block;
-    run.h = run.x + batch * run.ldx;
-    run.gu = run.h + batch * run.ldh;
-    run.scratch = (uint8_t *)(run.gu + batch * 2 * run.inter);
-    /* Padding positions of x and h stay zero: they meet zero weights. */
-    memset(run.x, 0, sizeof(float) * (size_t)(batch * (run.ldx + run.ldh)));
+    layout(&run, batch, block);
+    /* Padding positions of the inputs stay zero: they meet zero weights. */
+    memset(block, 0, shared);
     for (int i = 0; i < run.n_first; i++) {
-        run.first[i].dst = run.gu;
-        run.first[i].dst_stride = 2 * run.inter;
-        run.first[i].dst_offset = i * run.inter;
+        run.first[i].dst = run.gu + i * run.inter;
+        run.first[i].ld_dst = 2 * run.inter;
     }
     for (run.t0 = 0; run.t0 < c->tokens; run.t0 += batch) {
         run.tokens = c->tokens - run.t0 < batch ? c->tokens - run.t0 : batch;
-        run.down.dst_stride = c->out_stride;
-        if (c->out_format == COLI_TENSOR_F32)
+        if (run.y) {
+            run.down.dst = run.y;
+            run.down.ld_dst = run.hidden;
+        } else {
             run.down.dst = (float *)c->out + run.t0 * c->out_stride;
-        else
-            run.down.dst_bf16 = (uint16_t *)c->out + run.t0 * c->out_stride;
+            run.down.ld_dst = c->out_stride;
+        }
         coli_compute_pool_run(pool, run_thread, &run);
     }
     free(block);

@@ -2,25 +2,22 @@
  * ffn_internal.h (private): what the FFN driver (ffn.c) shares with the
  * per-path kernels (ffn_scalar.c, ffn_x86.c, ffn_neon.c).
  *
- * A matrix is computed in panels of outputs. Each panel walks its inputs in
- * chunks; a chunk of weights is decoded into a float tile in L1, and a
- * micro-kernel applies the tile to every token. Two tile layouts:
+ * A kernel computes one matrix (one format, one orientation, one path) for
+ * a range of its outputs and every token of a batch, writing raw sums
+ * (no bias) as floats. The driver prepares the tokens' inputs the way the
+ * kernel asks (float32 or bfloat16, in its order, zero padded to whole
+ * blocks of 64, with per-group sums when it wants them), splits outputs
+ * between threads in multiples of the kernel's unit, adds biases and
+ * converts.
  *
- *   DOT   for matrices stored (out, in): the tile holds PANEL_ROWS outputs,
- *         each a run of the chunk's inputs (tile[r * ld + p]); the
- *         micro-kernel keeps a vector of partial sums per (token, output)
- *         and reduces them when the panel ends. Inside each block of 32
- *         inputs a kernel may store them in its own order (kpos), so a
- *         decoder can leave nibbles where they fall; the tokens' inputs are
- *         laid out in the same order once per call.
- *   AXPY  for matrices stored (in, out): the tile holds the chunk's inputs,
- *         each a run of the panel's outputs (tile[k * ld + p]); the
- *         micro-kernel adds input k's row times x[t][k] to a row of sums
- *         per token. A kernel may store a panel's outputs in its own order
- *         (colpos), undone when the panel's sums are written out.
- *
- * A kernel (one format, one orientation, one path) is a ColiFfnKernel;
- * the path's micro-kernels and activation are its ColiFfnIsaOps.
+ * THE ORDER OF SUMMATION. A kernel may walk its weights differently for
+ * different batch sizes (streaming rows for a few tokens, a decoded tile
+ * reused across many), but every output of every token sees the same
+ * sequence of float operations whatever the batch, the token's place in
+ * it, the output range or the thread: each kernel documents that sequence
+ * (its "sum") and every loop it has performs exactly it. So a token's
+ * result is bit for bit the same alone or batched, on one thread or many;
+ * only the path (and, on x86, the input type) changes it.
  */
 #ifndef COLI_FFN_INTERNAL_H
 #define COLI_FFN_INTERNAL_H
@@ -31,17 +28,25 @@
 #include "ffn.h"
 
 enum {
-    COLI_FFN_KBLOCK = 32,       /* DOT: kpos permutes inputs within blocks of this many */
-    COLI_FFN_DOT_ROWS = 4,      /* DOT: outputs per panel */
-    COLI_FFN_DOT_KC = 256,      /* DOT: inputs per chunk (a multiple of KBLOCK) */
-    COLI_FFN_AXPY_KC = 64,      /* AXPY: inputs per chunk (a multiple of 8: GPTQ's words) */
-    COLI_FFN_MAX_PANEL = 128,   /* AXPY: outputs per panel at most */
-    COLI_FFN_DOT_LANES = 16,    /* DOT: partial sums kept per (token, output) */
-    COLI_FFN_FUSED_TOKENS = 4,  /* fused kernels take batches of at most this many tokens */
-    COLI_FFN_PREFETCH = 512     /* fused kernels prefetch this many bytes ahead in each row */
+    COLI_FFN_BLOCK = 64,        /* inputs: layouts and zero padding work in blocks of this many */
+    COLI_FFN_CHAINS = 4,        /* SIMD DOT kernels: independent sums per (token, output) */
+    COLI_FFN_STREAM_TOKENS = 4, /* batches of at most this many stream rows through registers */
+    COLI_FFN_PREFETCH = 2048    /* streaming kernels prefetch this many bytes ahead */
 };
 
-enum { COLI_FFN_DOT = 0, COLI_FFN_AXPY = 1 };
+/* ColiFfnKernel.x_type and .x_order: how the kernel wants its inputs.
+ * BF16: the call's bfloat16 tokens as they are. BF16_SPLIT: float inputs
+ * as two bfloat16 parts, v's rounding then the rounding of the rest, each
+ * row the high parts then the low ones (ldx / 2 apart). EO64: inside each
+ * block of 64 inputs the 32 even ones first, in order, then the 32 odd
+ * ones (what a byte's low and high nibbles hold). */
+enum { COLI_FFN_X_F32 = 0, COLI_FFN_X_BF16 = 1, COLI_FFN_X_BF16_SPLIT = 2 };
+/* What a matrix multiplies, for the kernel choice: float32 inputs that
+ * must stay exact (a float32 call), the call's bfloat16 tokens (gate and
+ * up of a bfloat16 call), or the float activations of a bfloat16 call
+ * (down), which may be split. */
+enum { COLI_FFN_INPUT_F32 = 0, COLI_FFN_INPUT_BF16 = 1, COLI_FFN_INPUT_ACT = 2 };
+enum { COLI_FFN_ORDER_PLAIN = 0, COLI_FFN_ORDER_EO64 = 1 };
 
 /* A matrix checked and described for the kernels: logical outputs x inputs
  * (what the stored rows and columns mean follows the orientation). */
@@ -56,85 +61,65 @@ typedef struct {
     const uint8_t *zeros;       /* NULL: none */
     const uint8_t *g_idx;       /* int32 per input, maybe unaligned; NULL: input / group */
     uint32_t block_rows, block_columns;
-    int64_t groups;             /* scale groups along the inputs (int4, GPTQ, AWQ) */
-    int64_t group;              /* inputs per group (int4, GPTQ and AWQ without g_idx) */
+    int64_t groups;             /* scale groups along the inputs (int4, GPTQ, AWQ, MXFP4) */
+    int64_t group;              /* inputs per group (int4, GPTQ and AWQ without g_idx, MXFP4) */
     int zero_plus_one;
 } ColiFfnMat;
 
+/* One kernel call: outputs [n0, n1) of the matrix for every token. */
+typedef struct {
+    const void *x;              /* tokens rows of ldx elements, in the kernel's type and order */
+    int64_t ldx;                /* elements; a multiple of COLI_FFN_BLOCK */
+    const float *xs;            /* group_sums: token t's sum over group g at xs[t * ldxs + g] */
+    int64_t ldxs;
+    int tokens;
+    float *dst;                 /* output n of token t at dst[t * ld_dst + n] */
+    int64_t ld_dst;
+    uint8_t *scratch;           /* this thread's, the kernel's scratch() bytes, 64-byte aligned */
+} ColiFfnTask;
+
 typedef struct ColiFfnKernel ColiFfnKernel;
-
-/* Decodes outputs [n0, n0 + nr) x inputs [k0, k0 + kc) of m into tile
- * (see the layouts above; ld = the kernel's row length). DOT: rows r < nr,
- * positions [0, round_up(kc, KBLOCK)), zero where no input falls. AXPY:
- * kc rows of the kernel's panel positions, zero where no output falls.
- * aux: what the kernel's prepare wrote for this panel. */
-typedef void (*ColiFfnDecodeFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
-                                int64_t k0, int kc, float *tile, const float *aux);
-/* Decodes and applies a panel's whole rows (k0 0, kc all inputs) in
- * registers, for at most COLI_FFN_FUSED_TOKENS tokens (acc as the layout's
- * micro-kernel's); 0 when it declines (a partial panel or block), and the
- * panel takes the tile path. */
-typedef int (*ColiFfnFusedFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
-                              int64_t k0, int kc, const float *x, int64_t ldx, int tokens,
-                              float *acc, const float *aux);
-/* Per-panel set-up (GPTQ and AWQ: float scales and scaled zeros of every
- * group for the panel's outputs, in the tile's order) into aux. */
-typedef void (*ColiFfnPrepareFn)(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
-                                 float *aux);
-
 struct ColiFfnKernel {
     const char *name;
-    int layout;                 /* COLI_FFN_DOT or COLI_FFN_AXPY */
-    int panel;                  /* DOT: COLI_FFN_DOT_ROWS; AXPY: outputs per panel (16k) */
-    int kc;                     /* inputs per chunk */
-    const uint8_t *kpos;        /* DOT: position of input k % 32 in its block; NULL: in order */
-    const uint8_t *colpos;      /* AXPY: position of output c of the panel; NULL: in order */
-    ColiFfnPrepareFn prepare;   /* NULL: nothing per panel */
-    int64_t (*aux_floats)(const ColiFfnMat *m, const ColiFfnKernel *k);  /* NULL: 0 */
-    ColiFfnDecodeFn decode;
-    ColiFfnFusedFn fused;       /* NULL: always the tile path */
+    int x_type, x_order;        /* COLI_FFN_X_*, COLI_FFN_ORDER_* */
+    int group_sums;             /* wants ColiFfnTask.xs */
+    int unit;                   /* outputs are split between threads in multiples of this */
+    /* Scratch bytes for outputs [n0, n1) and tokens tokens. */
+    size_t (*scratch)(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens);
+    void (*run)(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task);
 };
 
-/* One path's micro-kernels.
- *
- * dot: tile (COLI_FFN_DOT_ROWS rows of ld), kcp positions (a multiple of
- *   KBLOCK); x: tokens rows of ldx floats laid out like the tile's rows;
- *   acc: [t][r][COLI_FFN_DOT_LANES] partial sums, added to.
- * axpy: tile (kc rows of ld = panel), x: tokens rows (x[t * ldx + k]);
- *   acc: [t][panel] sums, added to.
- * act: h[i] = act(g[i], u[i]) for n values (COLI_FFN_ACT_*). */
-typedef struct {
-    void (*dot)(const float *tile, int ld, int kcp, const float *x, int64_t ldx, int tokens,
-                float *acc);
-    void (*axpy)(const float *tile, int ld, int kc, int panel, const float *x, int64_t ldx,
-                 int tokens, float *acc);
-    void (*act)(int activation, float alpha, float limit, const float *g, const float *u, float *h,
-                int64_t n);
-} ColiFfnIsaOps;
+/* A path's activation: h[i] = act(g[i], u[i]) for n values (COLI_FFN_ACT_*).
+ * Every value is computed alike wherever it falls (no scalar tail on a
+ * vector path), so a unit's result does not depend on the split. */
+typedef void (*ColiFfnActFn)(int activation, float alpha, float limit, const float *g,
+                             const float *u, float *h, int64_t n);
 
-/* Each path's ops and kernels. A path with no kernel of its own for a
- * format (NULL) uses the scalar decoder with its own micro-kernels. */
-extern const ColiFfnIsaOps coli_ffn_ops_scalar;
-const ColiFfnKernel *coli_ffn_kernel_scalar(ColiTensorFormat format, int in_out);
+/* Each path's kernel for a matrix (NULL: the path has none, the scalar one
+ * runs) and activation. input: COLI_FFN_INPUT_*. */
+const ColiFfnKernel *coli_ffn_kernel_scalar(const ColiFfnMat *m);
+extern const ColiFfnActFn coli_ffn_act_scalar;
 #if defined(__x86_64__) || defined(__i386__)
-extern const ColiFfnIsaOps coli_ffn_ops_avx2;
-extern const ColiFfnIsaOps coli_ffn_ops_avx512;
-const ColiFfnKernel *coli_ffn_kernel_avx2(ColiTensorFormat format, int in_out);
-const ColiFfnKernel *coli_ffn_kernel_avx512(ColiTensorFormat format, int in_out);
+const ColiFfnKernel *coli_ffn_kernel_avx2(const ColiFfnMat *m);
+const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input);
+extern const ColiFfnActFn coli_ffn_act_avx2, coli_ffn_act_avx512;
+int coli_ffn_cpu_has_avx512_bf16(void);
 #endif
 #if defined(__aarch64__)
-extern const ColiFfnIsaOps coli_ffn_ops_neon;
+const ColiFfnKernel *coli_ffn_kernel_neon(const ColiFfnMat *m);
 #endif
+/* Whether the format is computed stored that way at all (the scalar path
+ * computes every such matrix). */
+int coli_ffn_format_computed(ColiTensorFormat format, int in_out);
 
-/* Scalar decoding, also the SIMD kernels' fallback for the edges of a
- * matrix (a partial panel or block): honours k->kpos and k->colpos. */
-void coli_ffn_decode_scalar(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
-                            int64_t k0, int kc, float *tile, const float *aux);
-/* GPTQ/AWQ per-panel scales (scalar; honours colpos): aux holds, for group
- * g, panel floats of scales then panel floats of scale * zero. */
-void coli_ffn_prepare_quant(const ColiFfnMat *m, const ColiFfnKernel *k, int64_t n0, int nr,
-                            float *aux);
-int64_t coli_ffn_quant_aux(const ColiFfnMat *m, const ColiFfnKernel *k);
+/* Output o's weights of a matrix stored (out, in), all n_in of them, in
+ * input order, as the scalar path computes them (the SIMD paths' fallback
+ * for rows their decoders do not take). */
+void coli_ffn_dot_row(const ColiFfnMat *m, int64_t o, float *w);
+
+/* The sum of a group's inputs as every path computes it: four running sums
+ * over inputs 4i, 4i+1, 4i+2, 4i+3 of the group, then (s0 + s1) + (s2 + s3). */
+float coli_ffn_group_sum(const float *x, int64_t n);
 
 /* Element conversions shared by the paths. */
 float coli_f16_to_f32(uint16_t h);
@@ -143,13 +128,10 @@ uint16_t coli_f32_to_bf16(float f);     /* round to nearest even; NaN stays NaN 
 float coli_e4m3_to_f32(uint8_t b);      /* e4m3fn: 0x7f and 0xff are NaN */
 float coli_e5m2_to_f32(uint8_t b);
 float coli_ffn_scale(const ColiFfnMat *m, int64_t index);  /* scale number index, as float */
+float coli_ffn_ue8m0(int e);            /* 2^(e - 127), exact (e = 0: 2^-127; 255: +inf) */
 
-/* The zero point of output n in group g as the stored nibble it is
- * subtracted from: int4 without zero points 8, GPTQ's original format the
- * stored nibble plus one. */
-int coli_ffn_zero(const ColiFfnMat *m, int64_t n, int64_t g);
-/* Scale number i as float, and the zero point as coli_ffn_zero, inline so
- * that SIMD code calls no function per group. */
+/* Scale number i as float, inline so that SIMD code calls no function per
+ * group for the common F32 and BF16 scales. */
 static inline float coli_ffn_scale_at(const ColiFfnMat *m, int64_t i) {
     if (m->scale_format == COLI_SCALE_F32 || m->scale_format == COLI_SCALE_BF16) {
         uint32_t u = 0;
@@ -167,14 +149,29 @@ static inline float coli_ffn_scale_at(const ColiFfnMat *m, int64_t i) {
     return coli_ffn_scale(m, i);
 }
 
+/* Nibble n (0..7) of little-endian int32 word number word of p. */
 static inline int coli_ffn_nibble_at(const uint8_t *p, int64_t word, int n) {
     return (p[4 * word + n / 2] >> (4 * (n & 1))) & 0xf;
 }
 
+/* AWQ's packing: nibble j of a word holds column COLI_AWQ_ORDER[j] of its
+ * eight, so column c is in nibble COLI_AWQ_NIBBLE[c]. */
+extern const uint8_t COLI_AWQ_NIBBLE[8];
+
+/* The zero point of output n in group g as the stored nibble it is
+ * subtracted from: int4 without zero points 8, GPTQ's original format the
+ * stored nibble plus one. */
 static inline int coli_ffn_zero_at(const ColiFfnMat *m, int64_t n, int64_t g) {
-    if (m->format == COLI_TENSOR_INT4_BLOCK)
+    switch (m->format) {
+    case COLI_TENSOR_INT4_BLOCK:  /* eight per word down each column; none: the stored 8 */
         return m->zeros ? coli_ffn_nibble_at(m->zeros, (n / 8) * m->groups + g, (int)(n % 8)) : 8;
-    return coli_ffn_zero(m, n, g);
+    case COLI_TENSOR_INT4_GPTQ:
+        return coli_ffn_nibble_at(m->zeros, g * (m->n_out / 8) + n / 8, (int)(n % 8)) +
+               m->zero_plus_one;
+    case COLI_TENSOR_INT4_AWQ:
+        return coli_ffn_nibble_at(m->zeros, g * (m->n_out / 8) + n / 8, COLI_AWQ_NIBBLE[n % 8]);
+    default: return 0;
+    }
 }
 
 /* The group of input k (GPTQ: g_idx). */
@@ -185,20 +182,12 @@ static inline int64_t coli_ffn_group_of(const ColiFfnMat *m, int64_t k) {
     return g;
 }
 
-/* The group of each input k0 .. k0 + kc - 1, without a division per input. */
-static inline void coli_ffn_chunk_groups(const ColiFfnMat *m, int64_t k0, int kc, int64_t *out) {
-    if (m->g_idx) {
-        for (int j = 0; j < kc; j++) out[j] = coli_ffn_group_of(m, k0 + j);
-        return;
-    }
-    int64_t g = k0 / m->group, next = (g + 1) * m->group;
-    for (int j = 0; j < kc; j++) {
-        if (k0 + j == next) {
-            g++;
-            next += m->group;
-        }
-        out[j] = g;
-    }
+/* The position of input k in its row under an order. */
+static inline int64_t coli_ffn_pos(int order, int64_t k) {
+    if (order == COLI_FFN_ORDER_PLAIN) return k;
+    return (k & ~(int64_t)63) + (k & 1) * 32 + ((k & 63) >> 1);
 }
+
+static inline int64_t coli_ffn_round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 #endif /* COLI_FFN_INTERNAL_H */

@@ -122,17 +122,21 @@ def test_simd_paths_agree_with_scalar(checkpoints: dict[str, Path], fmt: str, is
 # ---------------------------------------------------------------- shapes, groups, tokens
 
 
-@st.composite
-def cases(draw: Any) -> dict[str, Any]:
+def _format_and_shape(draw: Any, hidden_max: int, inter_max: int) -> dict[str, Any]:
     fmt = draw(st.sampled_from(FORMATS))
     step = format_constraints(fmt)
-    hidden = step * draw(st.integers(1, 200 // step + 1))
-    inter = step * draw(st.integers(1, 160 // step + 1))
-    case: dict[str, Any] = {"fmt": fmt, "hidden": hidden, "inter": inter,
-                            "tokens": draw(st.integers(1, 64)),
-                            "activation": draw(st.sampled_from(kernels.ACTIVATIONS)),
-                            "isa": draw(st.sampled_from(kernels.available_isas())),
-                            "bf16": draw(st.booleans()), "seed": draw(st.integers(0, 2**16))}
+    return {"fmt": fmt, "hidden": step * draw(st.integers(1, hidden_max // step + 1)),
+            "inter": step * draw(st.integers(1, inter_max // step + 1)),
+            "isa": draw(st.sampled_from(kernels.available_isas())),
+            "bf16": draw(st.booleans()), "seed": draw(st.integers(0, 2**16))}
+
+
+@st.composite
+def cases(draw: Any) -> dict[str, Any]:
+    case = _format_and_shape(draw, 200, 160)
+    fmt, hidden, inter = case["fmt"], case["hidden"], case["inter"]
+    case["tokens"] = draw(st.integers(1, 64))
+    case["activation"] = draw(st.sampled_from(kernels.ACTIVATIONS))
     if fmt in ("int4", "stacked_int4"):  # groups divide both widths
         common = math.gcd(hidden, inter)
         case["group"] = draw(st.sampled_from([g for g in range(1, common + 1) if common % g == 0]))
@@ -159,6 +163,60 @@ def test_any_shape_group_and_batch(case: dict[str, Any]) -> None:
             got = kernels.expert_ffn(ex, x, activation=case["activation"], isa=case["isa"])
             bound = BF16_BOUND if case["bf16"] else F32_BOUND
             assert relative_error(got, reference(weights, x, case["activation"])) <= bound
+
+
+# ---------------------------------------------------------------- a token alone or batched
+
+
+@st.composite
+def batched(draw: Any) -> dict[str, Any]:
+    case = _format_and_shape(draw, 160, 128)
+    fmt, hidden, inter = case["fmt"], case["hidden"], case["inter"]
+    case["tokens"] = draw(st.integers(2, 40))
+    case["threads"] = draw(st.integers(1, 3))
+    case["position"] = draw(st.integers(0, case["tokens"] - 1))
+    if fmt in ("int4", "stacked_int4"):
+        common = math.gcd(hidden, inter)
+        case["group"] = draw(st.sampled_from([g for g in (8, 16, 32, 64, 96, 128) if common % g == 0]
+                                             or [common]))
+    elif fmt in ("gptq", "gptq_v2", "awq"):
+        case["group"] = draw(st.sampled_from([-1, 8, 16, 32, 64, 128]))
+        case["g_idx"] = draw(st.sampled_from(["act_order", "sorted", None]))
+    return case
+
+
+@settings(max_examples=int(os.environ.get("COLIBRI_KERNEL_EXAMPLES", "40")), deadline=None)
+@given(batched())
+def test_a_token_gets_the_same_bits_alone_or_batched(case: dict[str, Any]) -> None:
+    """Greedy decoding must not depend on which tokens share a call: a
+    token's output is bit for bit its output alone, whatever the batch, its
+    place in it and the threads."""
+    options = {k: case[k] for k in ("group", "g_idx") if k in case}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_format_checkpoint(tmp, case["fmt"], hidden=case["hidden"], intermediate=case["inter"],
+                                experts=1, seed=case["seed"], **options)
+        for ex in _leased(Path(tmp), expert=0):
+            rng = np.random.default_rng(case["seed"])
+            x = _tokens(rng, case["tokens"], case["hidden"], BF16 if case["bf16"] else np.float32)
+            p, isa = case["position"], case["isa"]
+            batch = kernels.expert_ffn(ex, x, isa=isa, threads=case["threads"])
+            alone = kernels.expert_ffn(ex, x[p:p + 1].copy(), isa=isa, threads=1)
+            assert batch[p].tobytes() == alone[0].tobytes()
+
+
+def test_a_call_larger_than_one_batch() -> None:
+    """More tokens than the buffers of one batch hold (an intermediate of
+    90000 units keeps a batch at 64 tokens): every token is right, and the
+    same bits as alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_format_checkpoint(tmp, "bf16", hidden=8, intermediate=90_000, experts=1, seed=2)
+        for ex in _leased(Path(tmp), expert=0):
+            weights = colibri.dequantize(ex)
+            x = _tokens(np.random.default_rng(9), 150, 8, np.float32)
+            got = kernels.expert_ffn(ex, x, threads=2)
+            assert relative_error(got, reference(weights, x, "silu")) <= F32_BOUND
+            for p in (0, 63, 64, 127, 128, 149):
+                assert got[p].tobytes() == kernels.expert_ffn(ex, x[p:p + 1].copy())[0].tobytes()
 
 
 # ---------------------------------------------------------------- operands and threads
