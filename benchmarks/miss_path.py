@@ -102,10 +102,11 @@ def decode_order(spans, layers, experts, per_layer: int, seed: int) -> list[Span
 HUGE = 2 << 20
 
 
-def huge_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+def huge_buffer(nbytes: int, touched: bool = True) -> tuple[mmap.mmap, memoryview]:
     """A private anonymous mapping on transparent huge pages (as the store's
     slots are; a shared one would be shmem, on 4 KiB pages) and a view of
-    nbytes of it from a 2 MiB boundary, faulted in before any timing."""
+    nbytes of it from a 2 MiB boundary, faulted in before any timing unless
+    not ``touched`` (then its first reads touch it first)."""
     buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
@@ -113,7 +114,8 @@ def huge_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     skip = -ctypes.addressof(probe) % HUGE
     del probe
     view = memoryview(buf)[skip:skip + nbytes]
-    view[:] = bytes(nbytes)
+    if touched:
+        view[:] = bytes(nbytes)
     return buf, view
 
 
@@ -149,7 +151,9 @@ def plain_buffered(path: str, order: list[Span], *, chunk: int, advice: bool, bu
     return sum(n for _, _, n in order) / (dt / 1e9)
 
 
-def plain_direct(path: str, order: list[Span], *, threads: int) -> float:
+def plain_direct(path: str, order: list[Span], *, threads: int, buffers: int = 1, touched: bool = True) -> float:
+    """O_DIRECT reads of each expert's aligned superset by ``threads`` threads, each into its
+    ``buffers`` buffers in turn (faulted in before timing unless not ``touched``)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     size = os.fstat(fd).st_size
     jobs = []
@@ -158,11 +162,12 @@ def plain_direct(path: str, order: list[Span], *, threads: int) -> float:
         end = min(-(-(off + nb) // ALIGN) * ALIGN, -(-size // ALIGN) * ALIGN)
         jobs.append((start, end - start, off + nb - start))
     biggest = max(n for _, n, _ in jobs)
-    bufs = [huge_buffer(biggest) for _ in range(threads)]
+    bufs = [huge_buffer(biggest * buffers, touched) for _ in range(threads)]
     lock = threading.Lock()
     at = [0]
 
     def worker(mv: memoryview) -> None:
+        used = 0
         while True:
             with lock:
                 i = at[0]
@@ -170,7 +175,9 @@ def plain_direct(path: str, order: list[Span], *, threads: int) -> float:
             if i >= len(jobs):
                 return
             start, length, needed = jobs[i]
-            got = os.preadv(fd, [mv[:length]], start)
+            o = (used % buffers) * biggest
+            used += 1
+            got = os.preadv(fd, [mv[o:o + length]], start)
             assert got >= needed
 
     try:
@@ -189,14 +196,19 @@ def plain_direct(path: str, order: list[Span], *, threads: int) -> float:
 
 
 def store_pass(model_path, order: list[Span], files, *, workers: int, slots: int,
-               direct_io, cold: bool, low_memory: bool = False) -> tuple[float, bool]:
-    """Bytes/s of leasing the order, and whether the store read with O_DIRECT."""
+               direct_io, cold: bool, low_memory: bool = False, prefetch_chunk: int = 0,
+               fill: bool = True) -> tuple[float, bool]:
+    """Bytes/s of leasing the order, and whether the store read with O_DIRECT.
+
+    ``prefetch_chunk``: the store's prefetch_chunk_bytes (0: its default);
+    ``fill``: fill every slot before timing (else the misses land in slots
+    never touched)."""
     saved = os.environ.get(AVAILABLE_MEMORY_ENV)
     if low_memory:
         os.environ[AVAILABLE_MEMORY_ENV] = "0"
     try:
         store = colibri.open_store(model_path, slots_per_layer=slots, prefetch_workers=workers,
-                                   direct_io=direct_io)
+                                   direct_io=direct_io, prefetch_chunk_bytes=prefetch_chunk)
     finally:
         if low_memory:
             if saved is None:
@@ -210,7 +222,7 @@ def store_pass(model_path, order: list[Span], files, *, workers: int, slots: int
         # each miss lands in a slot that held an expert (as in a running
         # engine), not in memory touched for the first time.
         wanted = set(keys)
-        for layer in store.layers:
+        for layer in store.layers if fill else []:
             others = [e for e in range(store.num_experts(layer)) if (layer, e) not in wanted]
             for e in others[:store.slots(layer)]:
                 with store.lease(layer, e):
@@ -249,15 +261,18 @@ def ratios(values: list[float], bases: list[float]) -> str:
     return med if len(r) == 1 else f"{med} ({C.fmt_ratio(min(r))}-{C.fmt_ratio(max(r))})"
 
 
+def shape(quick: bool, rounds: int) -> tuple[int, int, int, int, int]:
+    """Layers, experts per layer, rounds, slots per layer, misses per layer of a pass."""
+    layers, experts = (2, 32) if quick else (4, 64)
+    return layers, experts, rounds or (2 if quick else 5), experts // 4, experts // 2
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds (CI)")
     ap.add_argument("--rounds", type=int, default=0, help="rounds (default 5; 2 with --quick)")
     args = ap.parse_args(argv)
-    layers, experts = (2, 32) if args.quick else (4, 64)
-    rounds = args.rounds or (2 if args.quick else 5)
-    slots = experts // 4
-    per_layer = experts // 2
+    layers, experts, rounds, slots, per_layer = shape(args.quick, args.rounds)
 
     free = shutil.disk_usage("/tmp").free
     need = layers * experts * 3 * HIDDEN * INTER * 2
