@@ -132,7 +132,8 @@ struct LsLayer {
     int n_slots;
     int n_pinned;                 /* slots pinned now */
     uint64_t slot_bytes;          /* stride of the arena, fixed */
-    unsigned char *arena;
+    unsigned char *arena;         /* slot memory: a mapping of its own (ls_create.c) */
+    size_t arena_bytes;           /* the mapping's length, for munmap; 0 without an arena */
     const LsPolicy *policy;       /* fixed */
     void *pol;                    /* the policy's state of this layer (its init's) */
     double pol_param;             /* the policy's tuning constant; 0 = its default; fixed */
