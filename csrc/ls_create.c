@@ -406,7 +406,8 @@ int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
             coli_files_tune(&s->files, cfg->read_chunk_bytes ? cfg->read_chunk_bytes : COLI_DEFAULT_READ_CHUNK,
                             cfg->read_without_advice == 0);
     }
-    uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes : LS_DEFAULT_PREFETCH_CHUNK;
+    uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes
+                     : s->files.direct ? LS_DEFAULT_DIRECT_PREFETCH_CHUNK : LS_DEFAULT_PREFETCH_CHUNK;
     if (chunk < LS_MIN_PREFETCH_CHUNK) chunk = LS_MIN_PREFETCH_CHUNK;
     if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
     s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;

@@ -27,6 +27,7 @@ from colibri.errors import FormatError
 from colibri.store import AVAILABLE_MEMORY_ENV
 from colibri.synthetic import write_synthetic_model
 from conftest import assert_expert_matches, expected_experts, tensor_ranges
+import core_control  # the test build's control
 
 SHM = Path("/dev/shm")
 
@@ -186,6 +187,20 @@ def test_a_bad_direct_io_is_refused(odd_model, value):
 def test_a_bad_read_chunk_is_refused(odd_model):
     with pytest.raises(FormatError, match="read_chunk_bytes"):
         colibri.open_store(odd_model.path, read_chunk_bytes=-1)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_o_direct_prefetch_reads_go_in_larger_chunks_by_default(odd_model, direct):
+    """With O_DIRECT each chunk is a device request of its own: 4 MiB by
+    default, 1 MiB through the page cache; a size given applies in both."""
+    with colibri.open_store(odd_model.path, slots_per_layer=2, prefetch_workers=1,
+                            direct_io=direct) as store:
+        if direct and not store.direct_io:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert core_control.prefetch_chunk(store) == (4 << 20 if direct else 1 << 20)
+    with colibri.open_store(odd_model.path, slots_per_layer=2, prefetch_workers=1, direct_io=direct,
+                            prefetch_chunk_bytes=100_000) as store:
+        assert core_control.prefetch_chunk(store) == 100 << 10   # rounded up to 4 KiB
 
 
 # Run in a child so its allocator settings stay there: big blocks come from
