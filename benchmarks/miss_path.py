@@ -10,9 +10,9 @@ may have held another expert. Every reader below reads those bytes in that
 order, cold: the page cache is dropped before each pass
 (``sync; echo 3 > /proc/sys/vm/drop_caches``; ``POSIX_FADV_DONTNEED`` where
 that is refused). Plain readers write into memory on huge pages, as the
-store's slots are, and the buffered ones fill as many buffers, in turn, as
-the store has slots (so each read lands in memory not written for a while,
-as each miss does in the store).
+store's slots are, and fill as many buffers, in turn, as the store has
+slots (so each read lands in memory not written for a while, as each miss
+does in the store), but for the "1 buffer" context rows.
 
     plain 1 call, 1 buffer  one buffered ``preadv`` per expert into one reused
                           buffer (which stays in the last-level CPU cache:
