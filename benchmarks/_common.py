@@ -8,6 +8,7 @@ against it next to the absolute numbers. Goals (docs/performance.md) are marked
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -19,7 +20,16 @@ from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results"
+# where write_json puts its files; COLIBRI_BENCH_RESULTS moves them (a test run of a benchmark)
+RESULTS = Path(os.environ.get("COLIBRI_BENCH_RESULTS") or HERE / "results")
+
+# colibri as installed, plainly or editable, comes first on sys.path; this
+# checkout is searched last, for a tree built in place and not installed.
+# Before an installed package it would shadow it with one whose extensions
+# were never compiled. Child processes of the benchmarks find colibri the same
+# way (they import this module), so none of them sets PYTHONPATH.
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 
 ns = time.perf_counter_ns
 
@@ -171,9 +181,11 @@ def machine() -> dict[str, Any]:
         pass
     import numpy as np
 
+    spec = importlib.util.find_spec("colibri")
     return {
         "python": sys.version.split()[0],
         "numpy": np.__version__,
+        "colibri": spec.origin if spec is not None else None,
         "cpus": os.cpu_count(),
         "cpu": cpu,
         "kernel": platform.release(),

@@ -31,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-sys.path.insert(0, str(C.ROOT))
 from build_ffi import SOURCES  # noqa: E402  (the core's sources, as the cffi extension has them)
 
 CSRC = C.ROOT / "csrc"

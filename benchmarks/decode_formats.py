@@ -77,7 +77,6 @@ import numpy as np
 from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # colibri from this checkout when not installed
 from _common import Goals, table, write_json  # noqa: E402
 
 import colibri  # noqa: E402

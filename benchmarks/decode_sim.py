@@ -129,11 +129,11 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-import colibri  # noqa: E402
-from colibri.pilot import Pilot  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import drop_caches, fadvise_dontneed, warm_page_cache  # noqa: E402
+
+import colibri  # noqa: E402
+from colibri.pilot import Pilot  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "decode_sim.json"
 MB = 1e6
@@ -1000,7 +1000,7 @@ def main(argv=None) -> int:
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "environment": {"python": platform.python_version(), "numpy": np.__version__,
                             "cpus": os.cpu_count(), "openblas_threads": os.environ["OPENBLAS_NUM_THREADS"],
-                            "cold_method": cold_method},
+                            "cold_method": cold_method, "colibri": colibri.__file__},
             "model": {"bytes": model["bytes"], "expert_bytes": expert_bytes,
                       "cache_bytes": cache_bytes},
             "calibrations": calibrations,

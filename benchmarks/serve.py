@@ -13,18 +13,21 @@ cold: the page cache is dropped before it and it runs in a cgroup-v1 memory
 cgroup whose limit, page cache included, is benchmarks/generate.py's (the
 non-expert weights + the cache + ``--overhead-mb``). Once it is ready, C
 clients (httpx, streaming ``/v1/completions``) start together, each with
-its own random prompt of ``--prompt-len`` words, sampled (temperature 1,
-seeded), ``--tokens`` new tokens each, ``--requests`` requests one after the
-other. Per run:
+its own prompt (``--workload``: ``random``, ``--prompt-len`` random words;
+``template``, the same ``--template-words`` words for every client, as a
+shared system prompt and chat template, then ``--prompt-len`` random words
+of its own), sampled (temperature 1, seeded), ``--tokens`` new tokens each,
+``--requests`` requests one after the other. Per run:
 
 - aggregate tokens/s: the tokens all clients received over the wall time
   from the first request sent to the last token received (prefill included);
 - time to first token (TTFT): from sending a request to its first text chunk;
 - disk MB per generated token: ``read_bytes`` of the server's
   ``/proc/PID/io`` over the run (page faults included) per token received;
-  also the store's own ``bytes_read`` per token, its expert leases per token
-  (prefill included: fewer than top-k x layers when sequences share experts),
-  its hit rate and the mean batch (``/metrics``).
+  also the store's own ``bytes_read`` per token, the experts PILOT began to
+  prefetch per token and the share of them a lease then used, its expert leases
+  per token (prefill included: fewer than top-k x layers when sequences
+  share experts), its hit rate and the mean batch (``/metrics``).
 
 Before the clients start, one request of one word and one token takes the
 server's one-time start-up work (first allocations and calls) out of the
@@ -35,17 +38,21 @@ Each concurrency runs with ``--max-batch`` (batching) and with
 batching, 4 clients reach at least 2.5x the aggregate tokens/s of 1 client
 and at most 0.5x its disk MB per token.
 
-How many experts concurrent requests share depends on the routing, and the
-synthetic model's random prompts share little. So the run ends with the same
-question on a real model's routing: tests/data/traces' Qwen3.6-35B-A3B trace
-replayed through colibri's own per-layer LRU (a replay store: no bytes),
-B prompts decoding together from cold (``--trace-only`` runs just that).
+How many experts concurrent requests share depends on the routing. So the
+run ends with the same question on real routing (benchmarks/serve_replay.py
+at this run's cache fraction: both traces of tests/data/traces replayed as
+batches through the store's policies and Belady's bound; ``--trace-only``
+runs all of it, ``--trace FILE`` adds a trace). ``--record-routing FILE``
+records the benchmark model's own decode routing under ``--workload``
+(in-process, every expert cached, no cgroup) for that replay.
 
 Needs root (cgroups, drop_caches) and a cgroup-v1 memory controller;
 ``--no-limit`` runs without them (then the runs are not cold).
 
     python benchmarks/serve.py                 # the 5 GB model of generate.py
     python benchmarks/serve.py --quick         # a 40 MB model, 8 new tokens: a smoke run
+    python benchmarks/serve.py --trace-only    # the replay of real routing alone, about two minutes
+    python benchmarks/serve.py --record-routing synth.npz --workload template
 """
 
 from __future__ import annotations
@@ -68,12 +75,14 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import serve_replay  # noqa: E402
 from _common import Goals, drop_caches, table, write_json  # noqa: E402
 from generate import CGROUP_ROOT, FULL_MODEL, QUICK_MODEL, MemoryCgroup, safetensors_sizes  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
 CONCURRENCY = (1, 2, 4, 8)
+WORKLOADS = ("random", "template")
 
 
 # -- the model and its tokenizer --
@@ -88,6 +97,23 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.decoder = decoders.WordPiece(prefix="##")     # joins words with spaces
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0").save_pretrained(model_dir)
+
+
+def make_prompts(args: argparse.Namespace, vocab: int, clients: int, salt: int) -> list[list[str]]:
+    """``args.requests`` prompts for each client (``salt`` varies them between
+    runs): ``--prompt-len`` random words, after ``--template-words`` words
+    every prompt shares when the workload is ``template``."""
+    shared = random.Random(args.seed)
+    template = [f"w{shared.randrange(vocab)}" for _ in range(args.template_words)] \
+        if args.workload == "template" else []
+    rng = random.Random(args.seed * 1000 + salt)
+    return [[" ".join(template + [f"w{rng.randrange(vocab)}" for _ in range(args.prompt_len)])
+             for _ in range(args.requests)] for _ in range(clients)]
+
+
+def client_seed(args: argparse.Namespace, c: int) -> int:
+    """The sampling seed of client ``c``'s first request (its i-th adds i)."""
+    return args.seed + 7919 * c
 
 
 def prepare_model(args: argparse.Namespace, workdir: Path) -> Path:
@@ -131,6 +157,8 @@ class ServerProcess:
             env["COLIBRI_AVAILABLE_MEMORY"] = str(limit)
         cmd = [sys.executable, "-m", "colibri", "serve", str(model_dir), "--port", "0", "--slots", str(slots),
                "--max-batch", str(max_batch), "--prefetch", args.prefetch, "--drain", "0", "--model-name", "bench"]
+        if args.policy:
+            cmd += ["--policy", args.policy]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=str(workdir), preexec_fn=self.group.enter if self.group else None)
@@ -225,10 +253,8 @@ def run_one(model_dir: Path, args: argparse.Namespace, max_batch: int, clients: 
     name = f"b{max_batch}-c{clients}-r{rnd}"
     server = ServerProcess(model_dir, args, max_batch, slots, workdir, name, limit)
     try:
-        rng = random.Random(args.seed * 1000 + rnd * 100 + clients)
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        prompts = [[" ".join(f"w{rng.randrange(vocab)}" for _ in range(args.prompt_len))
-                    for _ in range(args.requests)] for _ in range(clients)]
+        prompts = make_prompts(args, vocab, clients, rnd * 100 + clients)
         # One token of one word first, so the figures leave out the server's
         # one-time start-up work (allocations, first calls); it leaves at most
         # top-k experts per layer in the cache.
@@ -239,7 +265,7 @@ def run_one(model_dir: Path, args: argparse.Namespace, max_batch: int, clients: 
 
         def go(c: int) -> None:
             try:
-                results[c] = client(server.url, prompts[c], args.tokens, args.seed + 7919 * c, start)
+                results[c] = client(server.url, prompts[c], args.tokens, client_seed(args, c), start)
             except Exception as exc:   # reported, not raised: the other clients still finish
                 results[c] = {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -270,59 +296,65 @@ def run_one(model_dir: Path, args: argparse.Namespace, max_batch: int, clients: 
         "store_mb_per_token": d.get("colibri_store_bytes_read_total", 0.0) / MB / tokens if tokens else None,
         "hit_rate": d.get("colibri_store_hits_total", 0.0) / store_requests if store_requests else None,
         "leases_per_token": store_requests / tokens if tokens else None,
+        "prefetched_per_token": d.get("colibri_store_prefetched_total", 0.0) / tokens if tokens else None,
+        "prefetch_used": (d.get("colibri_store_prefetch_hits_total", 0.0) / d["colibri_store_prefetched_total"]
+                          if d.get("colibri_store_prefetched_total") else None),
+        "policy": next((k.split('"')[1] for k in m1 if k.startswith("colibri_store_info{")), None),
         "mean_batch": d.get("colibri_serve_decode_rows_total", 0.0) / steps if steps else None,
         "exit": stopped["exit"], "memory": stopped["memory"], "cold": server.cold,
     }
 
 
-# -- the same question on real routing --
+# -- the benchmark model's own routing, for benchmarks/serve_replay.py --
 
-TRACE = HERE.parent / "tests" / "data" / "traces" / "qwen3.6-35b-a3b-fever.npz"
+def record_routing(model_dir: Path, args: argparse.Namespace, out: Path, prompts: int) -> None:
+    """Decode ``prompts`` prompts of ``--workload`` one at a time, each as a
+    client of the live run would (``--tokens`` tokens, temperature 1, its
+    seed), through colibri serve's engine in this process with every expert
+    cached, and save the decode steps' routing as a trace (one sequence per
+    prompt; the first token of each comes from its prefill and is not in it)."""
+    import queue
 
+    import colibri.hf as hf
+    from colibri import Trace
+    from colibri.serve.engine import Engine, Sampling
 
-def trace_sharing(path: Path, fraction: float, batches: list[int]) -> dict[int, dict[str, float]]:
-    """What batching does to expert reads on a real model's routing: the
-    trace's prompts taken B at a time, each group decoding together from a
-    cold store (one step leases, per layer, the union of the B tokens'
-    experts) through colibri's own per-layer LRU of ``fraction`` of the
-    experts, in a replay store (no bytes read). Per batch size: expert reads
-    and union size per token (decode only; the trace has no prefill)."""
-    import numpy as np
+    config = json.loads((model_dir / "config.json").read_text())
+    experts = max(safetensors_sizes(model_dir)["experts_per_layer"].values())
+    model = hf.from_pretrained(model_dir, slots_per_layer=experts, prefetch="off")
+    runtime = hf.runtime_of(model)
+    layers = list(runtime.moe_layers)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [p for client in make_prompts(args, int(config["vocab_size"]), prompts, 0) for p in client[:1]]
+    rows: list[dict[int, list[int]]] = []
+    sequence: list[int] = []
 
-    from colibri.store import open_replay_store
-    from colibri.trace import Trace
+    def route(layer: int, index: Any, weights: Any) -> None:   # a decode step of one sequence has one row
+        if index.shape[0] == 1:
+            if layer == layers[0]:
+                rows.append({})
+            rows[-1][layer] = index[0].tolist()
 
-    trace = Trace.load(path)
-    n_experts, layers = int(trace.num_experts), [int(layer) for layer in trace.layers]
-    slots = max(1, int(n_experts * fraction))
-    sequences = trace.sequences
-    out = {}
-    for batch in batches:
-        misses = tokens = union = 0
-        for g in range(0, len(sequences) - batch + 1, batch):
-            rows = [np.flatnonzero(trace.sequence == s) for s in sequences[g:g + batch]]
-            steps = min(len(r) for r in rows)
-            pieces: list[np.ndarray] = []
-            for p in range(steps):
-                chosen = [np.unique(trace.experts[[r[p] for r in rows], i]) for i in range(len(layers))]
-                union += sum(len(c) for c in chosen)
-                width = max(len(c) for c in chosen)
-                for start in range(0, width, 32):       # replay_tokens takes up to 32 experts a call
-                    piece = np.full((len(layers), 32), -1, dtype=np.int32)
-                    for i, c in enumerate(chosen):
-                        part = c[start:start + 32]
-                        piece[i, :len(part)] = part
-                    pieces.append(piece)
-            store = open_replay_store({layer: n_experts for layer in layers}, slots_per_layer=slots)
-            try:
-                store.replay_tokens(np.asarray(layers), np.stack(pieces))
-                misses += store.stats().misses
-            finally:
-                store.close()
-            tokens += steps * batch
-        out[batch] = {"reads_per_token": misses / tokens / len(layers),
-                      "union_per_token": union / tokens / len(layers)}
-    return out
+    runtime.routing = route
+    engine = Engine(model, max_batch=1).start()
+    try:
+        for i, text in enumerate(texts):
+            events: queue.Queue[Any] = queue.Queue()
+            engine.submit(tokenizer(text)["input_ids"], Sampling(max_tokens=args.tokens, temperature=1.0,
+                                                                 seed=client_seed(args, i)), events.put)
+            while (event := events.get(timeout=3600)).kind == "token":
+                pass
+            if event.kind != "done":
+                raise RuntimeError(f"prompt {i}: {event}")
+            sequence += [i] * (len(rows) - len(sequence))
+            print(f"  prompt {i + 1}/{len(texts)}: {len(rows)} decode steps recorded", flush=True)
+    finally:
+        engine.shutdown(timeout=120)
+        model.colibri_close()
+    trace = Trace.from_arrays(layers, [[r[layer] for layer in layers] for r in rows], None, sequence, experts)
+    trace.save(out)
+    print(f"routing of {len(texts)} {args.workload} prompts ({len(trace)} decode tokens) written to {out}")
 
 
 # -- the table and the goals --
@@ -342,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--max-batch", type=int, default=8, help="the batching configuration's --max-batch")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
-    ap.add_argument("--prompt-len", type=int, default=16, help="words (tokens) per prompt")
+    ap.add_argument("--prompt-len", type=int, default=16, help="random words (tokens) of each prompt's own")
+    ap.add_argument("--workload", choices=WORKLOADS, default="random",
+                    help="random: prompts of random words; template: a prefix every prompt shares, then those")
+    ap.add_argument("--template-words", type=int, default=64, help="the shared prefix of --workload template")
+    ap.add_argument("--policy", default=None, help="colibri serve --policy (default: the server's)")
     ap.add_argument("--requests", type=int, default=1, help="requests per client, one after the other")
     ap.add_argument("--prefetch", choices=["pilot", "off"], default="pilot")
     ap.add_argument("--rounds", type=int, default=1)
@@ -353,16 +389,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-limit", action="store_true", help="no cgroup, no drop_caches (not cold)")
     ap.add_argument("--quick", action="store_true", help="generate.py's small model, 8 new tokens")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    ap.add_argument("--no-trace", action="store_true", help="skip the replay of the real routing trace")
-    ap.add_argument("--trace-only", action="store_true", help="only the replay of the real routing trace")
+    ap.add_argument("--no-trace", action="store_true", help="skip the replay of real routing after the live runs")
+    ap.add_argument("--trace-only", action="store_true", help="only the replay of real routing (serve_replay.py)")
+    ap.add_argument("--trace", type=Path, action="append", default=[], help="another trace for the replay")
+    ap.add_argument("--record-routing", type=Path, default=None, metavar="FILE",
+                    help="only record the model's decode routing under --workload into FILE (a trace)")
+    ap.add_argument("--record-prompts", type=int, default=16, help="prompts --record-routing decodes")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens = min(args.tokens, 8)
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.trace_only:
-        for b, v in trace_sharing(TRACE, 1 / 4, levels).items():
-            print(f"{b} prompts together: {v['reads_per_token']:.2f} expert reads and "
-                  f"{v['union_per_token']:.2f} distinct experts per token and layer")
+        serve_replay.run(args.trace, batches=sorted({1, *levels}))
+        return 0
+    if args.record_routing is not None:
+        workdir = Path(tempfile.mkdtemp(prefix="colibri-servebench-", dir=args.workdir))
+        try:
+            record_routing(prepare_model(args, workdir), args, args.record_routing, args.record_prompts)
+        finally:
+            if args.model is None and not args.keep_model:
+                shutil.rmtree(workdir, ignore_errors=True)
+            elif args.model is None:
+                print(f"model kept in {workdir / 'model'}")
         return 0
     if not args.no_limit and (os.geteuid() != 0 or not (CGROUP_ROOT / "memory.limit_in_bytes").exists()):
         ap.error(f"needs root and a cgroup-v1 memory controller at {CGROUP_ROOT} (or --no-limit)")
@@ -381,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{sizes['expert_bytes'] / cache:.1f}x)")
         print("NO memory limit and no cache drop (--no-limit): not cold" if args.no_limit else
               f"memory limit {limit / 1e9:.2f} GB (page cache included), page cache dropped before each run")
-        print(f"clients {levels}; each {args.requests} request(s) of {args.prompt_len} prompt words, "
+        print(f"clients {levels}; each {args.requests} request(s) of "
+              + (f"{args.template_words} shared + " if args.workload == "template" else "")
+              + f"{args.prompt_len} prompt words, "
               f"{args.tokens} new tokens, sampled; prefetch {args.prefetch}; server torch threads {args.threads}",
               flush=True)
         configs = [(args.max_batch, c) for c in levels] + [(1, c) for c in levels]
@@ -415,11 +465,15 @@ def main(argv: list[str] | None = None) -> int:
                              fmt(disk, ".1f"), fmt(disk / base_disk if disk and base_disk else None, ".2f") + "x",
                              fmt(med(max_batch, c, "store_mb_per_token"), ".1f"),
                              fmt(med(max_batch, c, "leases_per_token"), ".0f"),
-                             fmt(med(max_batch, c, "hit_rate"), ".0%"), fmt(med(max_batch, c, "mean_batch"), ".2f")))
+                             fmt(med(max_batch, c, "hit_rate"), ".0%"),
+                             fmt(med(max_batch, c, "prefetched_per_token"), ".0f"),
+                             fmt(med(max_batch, c, "prefetch_used"), ".0%"), fmt(med(max_batch, c, "mean_batch"), ".2f")))
+        policies = sorted({str(r["policy"]) for r in runs})
         print()
-        print(table(f"colibri serve, median of {args.rounds} round(s); ratios against 1 client of the same row group",
+        print(table(f"colibri serve ({args.workload} prompts, policy {', '.join(policies)}), median of {args.rounds} "
+                    "round(s); ratios against 1 client of the same row group",
                     ("configuration", "clients", "tok/s", "vs 1", "TTFT med s", "TTFT max s", "disk MB/tok",
-                     "vs 1", "store MB/tok", "leases/tok", "hit", "mean batch"), rows))
+                     "vs 1", "store MB/tok", "leases/tok", "hit", "prefetched/tok", "used", "mean batch"), rows))
         goals = Goals()
         one, four = med(args.max_batch, 1, "tokens_per_s"), med(args.max_batch, 4, "tokens_per_s")
         if one and four:
@@ -429,15 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         if d1 and d4:
             goals.check("4 clients / 1 client, disk MB per token (batching)", d4 / d1, "<= 0.5x",
                         d4 / d1 <= 0.5, f"{d4 / d1:.2f}x")
-        if TRACE.exists() and not args.no_trace:
-            shared = trace_sharing(TRACE, 1 / 4, levels)
-            base = shared[levels[0]]["reads_per_token"]
+        if not args.no_trace:
             print()
-            print(table("real routing (Qwen3.6-35B-A3B trace, 40 layers x 256 experts, top-8): B prompts "
-                        "decoding together, cold, LRU of a quarter of the experts, decode only",
-                        ("clients", "expert reads/token/layer", f"vs {levels[0]}", "union/token/layer"),
-                        [(str(b), f"{v['reads_per_token']:.2f}", f"{v['reads_per_token'] / base:.2f}x",
-                          f"{v['union_per_token']:.2f}") for b, v in shared.items()]))
+            serve_replay.run(args.trace, fractions=[slots / n_experts], batches=sorted({1, *levels}))
         b4 = med(1, 4, "tokens_per_s")
         if four and b4:
             goals.check("4 clients: batching / --max-batch 1, tokens/s", four / b4, "> 1x", four / b4 > 1,

@@ -49,8 +49,8 @@ from typing import Callable
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT  # noqa: E402  (and colibri found as installed first)
 
 from colibri.plan import _fit, available_policies, hot_order, plan  # noqa: E402
 from colibri.replay import (  # noqa: E402

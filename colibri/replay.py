@@ -18,6 +18,11 @@ an optimal schedule that evicts y instead of the furthest x can evict x and
 keep y at no extra cost, because y is needed no later than x and nothing the
 step needs is ever a candidate). tests/test_replay.py checks it against a
 brute-force optimum over every schedule on small traces.
+
+:func:`batched` turns a trace into the lease_many calls of a server that
+decodes its sequences several at a time (one lease of the union of the
+batch's experts per step and layer, in groups that fit the slots); replay
+and belady then answer what batching does to a cache on that routing.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from colibri.store import open_replay_store
 from colibri.trace import Trace
 from colibri.usage import Usage, warm_order
 
-__all__ = ["replay", "belady", "ReplayResult", "LayerResult", "resolve_slots", "SlotsSpec",
-           "distinct_rows", "most_distinct"]
+__all__ = ["replay", "belady", "batched", "BATCH_ORDERS", "ReplayResult", "LayerResult", "resolve_slots",
+           "SlotsSpec", "distinct_rows", "most_distinct"]
 
 SlotsSpec = Union[int, Mapping[int, int]]
 
@@ -263,3 +268,88 @@ def _belady_layer(rows: list[tuple[int, ...]], capacity: int, num_experts: int, 
             nxt[e] = after
             heapq.heappush(heap, (-after, e))
     return LayerResult(capacity, hits + misses, hits, misses, evictions, 0)
+
+
+#: Orders :func:`batched` can lease a step's union in.
+BATCH_ORDERS = ("id", "shared-first")
+
+
+def batched(
+    trace: Trace,
+    batch: int,
+    *,
+    slots_per_layer: SlotsSpec | None = None,
+    order: str = "id",
+    sequences: Iterable[int] | None = None,
+) -> Trace:
+    """The lease_many calls of a server that decodes ``trace``'s sequences
+    ``batch`` at a time, as a trace whose rows are those calls.
+
+    The sequences (``sequences``: their ids in the order they arrive;
+    default the trace's order) are taken ``batch`` at a time. The members of
+    a batch start together and decode in lockstep, one token each per step,
+    until the last one ends (one that ends sooner leaves). Each step leases,
+    per layer, the union of the members' experts once, in groups of at most
+    that layer's slots (``slots_per_layer`` as :func:`replay` takes it;
+    None: one group), all released before the next: one row of the result
+    per group, a layer that needs fewer groups than another padded with -1
+    there (replay and belady skip an empty row). With sequences of equal
+    length this is also what continuous batching with a full queue does.
+
+    ``order`` is the order of the union, and so of the groups: ``"id"``,
+    ascending expert id; ``"shared-first"``, the experts more members chose
+    first, then the better ranked (the sum over members of 1 / (1 + rank),
+    rank being the place in the member's row, best first), then by id.
+
+    The result's ``sequence`` numbers the batches 0, 1, ... in order (so
+    ``select_sequences([g])`` is batch g alone, e.g. to replay it from a cold
+    cache); it has no weights. Its requests are the leases; the tokens
+    decoded are those of the sequences taken, ``len(trace.select_sequences(...))``.
+    """
+    batch = operator.index(batch)
+    if batch < 1:
+        raise FormatError(f"batch must be >= 1, got {batch}")
+    if order not in BATCH_ORDERS:
+        raise FormatError(f"unknown order {order!r}; batched knows {', '.join(BATCH_ORDERS)}")
+    known = trace.sequences
+    chosen = list(known) if sequences is None else [operator.index(s) for s in sequences]
+    if len(set(chosen)) != len(chosen) or not set(chosen) <= set(known):
+        raise FormatError(f"sequences must be distinct ids of the trace's sequences {list(known)}")
+    layers = trace.layers.tolist()
+    if slots_per_layer is None:
+        slots = [trace.num_experts] * len(layers)
+    else:
+        by_layer = resolve_slots(trace, slots_per_layer)
+        slots = [by_layer[layer] for layer in layers]
+    tokens = {s: np.flatnonzero(trace.sequence == s) for s in chosen}
+    rows: list[list[tuple[int, ...]]] = []
+    ids: list[int] = []
+    for g, start in enumerate(range(0, len(chosen), batch)):
+        members = [tokens[s] for s in chosen[start:start + batch]]
+        for p in range(max(len(m) for m in members)):
+            step = trace.experts[[int(m[p]) for m in members if p < len(m)]]
+            groups = [_step_groups(step[:, i, :], slots[i], order) for i in range(len(layers))]
+            for r in range(max(len(gr) for gr in groups)):
+                rows.append([gr[r] if r < len(gr) else () for gr in groups])
+                ids.append(g)
+    width = max((len(c) for row in rows for c in row), default=1)
+    experts = np.full((len(rows), len(layers), max(width, 1)), -1, dtype=np.int32)
+    for t, row in enumerate(rows):
+        for i, chunk in enumerate(row):
+            experts[t, i, :len(chunk)] = chunk
+    return Trace.from_arrays(trace.layers, experts, None, np.asarray(ids, dtype=np.int32), trace.num_experts)
+
+
+def _step_groups(chosen: np.ndarray, slots: int, order: str) -> list[tuple[int, ...]]:
+    """One layer of one batched step: the union of the members' rows
+    (``chosen``, members x k, -1 pads) in ``order``, in groups of ``slots``."""
+    votes: dict[int, int] = {}
+    weight: dict[int, float] = {}
+    for row in chosen.tolist():
+        for rank, e in enumerate(dict.fromkeys(e for e in row if e >= 0)):
+            votes[e] = votes.get(e, 0) + 1
+            weight[e] = weight.get(e, 0.0) + 1.0 / (1 + rank)
+    union = sorted(votes)
+    if order == "shared-first":
+        union.sort(key=lambda e: (-votes[e], -weight[e]))   # stable: ties stay by id
+    return [tuple(union[i:i + slots]) for i in range(0, len(union), slots)]

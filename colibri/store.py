@@ -776,10 +776,11 @@ def open_store(
     ``slot_wait_timeout`` is how long (seconds; None = forever) a lookup waits
     when every slot of its layer is leased before CacheFullError.
     ``demand_first`` (the default) makes running prefetch reads pause
-    before each chunk of ``prefetch_chunk_bytes`` (0: 1 MiB; at least 64 KiB)
-    while a lookup reads a missing expert, so that a miss shares the disk
-    with at most one chunk per worker; False lets them share it (for
-    comparisons).
+    before each chunk of ``prefetch_chunk_bytes`` (0: 1 MiB, or 4 MiB with
+    O_DIRECT, where each chunk is a device request of its own; at least
+    64 KiB) while a lookup reads a missing expert, so that a miss shares
+    the disk with at most one chunk per worker; False lets them share it
+    (for comparisons).
 
     ``direct_io`` says how misses read the disk. ``"auto"`` (the default)
     reads with O_DIRECT, past the page cache, when the model's routed

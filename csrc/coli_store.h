@@ -58,7 +58,8 @@ typedef struct ColiStoreConfig {
     int prefetch_never_pauses;      /* nonzero: prefetch reads share the disk with demand reads
                                      * instead of pausing for them (for comparisons) */
     uint64_t prefetch_chunk_bytes;  /* prefetch reads go in chunks of this size, rounded up to
-                                     * 4 KiB, at least 64 KiB; 0 = 1 MiB */
+                                     * 4 KiB, at least 64 KiB; 0 = 1 MiB, or 4 MiB when the
+                                     * store reads with O_DIRECT */
     /* Reads through the page cache (no O_DIRECT) go in preads of this many
      * bytes, rounded up to 4 KiB; 0 = COLI_DEFAULT_READ_CHUNK. A size past
      * an expert's bytes reads each run in one call. O_DIRECT reads always

@@ -30,7 +30,10 @@ enum {
     /* (int layer, uint64_t *out): *out gets the bytes of each slot of
      * layer (the stride of its slot memory), 0 for a layer without
      * experts. Returns 0. */
-    COLI_TEST_SLOT_BYTES = 4
+    COLI_TEST_SLOT_BYTES = 4,
+    /* (uint64_t *out): *out gets the size of the chunks prefetch reads go
+     * in (prefetch_chunk_bytes as the store resolved it). Returns 0. */
+    COLI_TEST_PREFETCH_CHUNK = 5
 };
 
 /* Does op (a COLI_TEST_* value) on store with the arguments that follow.

@@ -6,7 +6,7 @@
  * The store's other parts are in ls_*.c; ls_internal.h says which file
  * holds what, and ls_slots.h describes the slot state machine.
  */
-#define _GNU_SOURCE               /* madvise(MADV_HUGEPAGE), with POSIX clocks and conditions */
+#define _GNU_SOURCE               /* MAP_ANONYMOUS, MADV_HUGEPAGE, with POSIX clocks and conditions */
 #include "ls_slots.h"
 
 #include <limits.h>
@@ -15,6 +15,12 @@
 #include <sys/mman.h>
 
 #include "coli_store.h"
+
+static void free_arena(LsLayer *L) {
+    if (L->arena) (void)munmap(L->arena, L->arena_bytes);   /* our own mapping: cannot fail */
+    L->arena = NULL;
+    L->arena_bytes = 0;
+}
 
 static void free_store(LsStore *s) {
     atomic_store(&s->stopping, 1);       /* preload jobs end */
@@ -27,7 +33,7 @@ static void free_store(LsStore *s) {
             pthread_mutex_destroy(&L->mu);
         }
         if (L->pol_ready && L->policy->fini) L->policy->fini(L);
-        free(L->arena);
+        free_arena(L);
         free(L->slots);
         free(L->entries);
         free(L->present);
@@ -153,19 +159,37 @@ static int build_layers(LsStore *s, const ColiStoreConfig *cfg, char *err, size_
     return COLI_OK;
 }
 
-#define HUGE_PAGE (2u << 20)
+#define HUGE_PAGE ((size_t)2 << 20)
 
-/* Slot memory of one layer, page aligned for O_DIRECT. Arenas of 2 MiB or
- * more are 2 MiB aligned and advised to use transparent huge pages, so a
- * fresh cache does not take a page fault per 4 KiB on its first reads.
- * NULL when out of memory. */
-static unsigned char *alloc_arena(size_t bytes) {
-    void *arena = NULL;
-    size_t align = bytes >= HUGE_PAGE ? HUGE_PAGE : COLI_IO_ALIGN;
-    if (posix_memalign(&arena, align, bytes) != 0) return NULL;
+/* Slot memory of one layer, page aligned for O_DIRECT: an anonymous
+ * mapping of its own, never memory the allocator recycles. An O_DIRECT
+ * read goes to the device as one request per run of physically contiguous
+ * memory (a segment), and a request takes at most the device's
+ * max_segments of them: a 3 MiB read into 4 KiB pages is split into several
+ * requests, on a virtio disk without indirect descriptors each filling its
+ * whole ring, so they run one after the other. Memory the heap hands back
+ * was faulted in on 4 KiB pages by its earlier use, and advice cannot
+ * change pages already there; a fresh mapping of 2 MiB or more is 2 MiB
+ * aligned and advised to use transparent huge pages before its first
+ * touch, so a read spans a few segments. NULL when out of memory; else
+ * *mapped is the mapping's length. */
+static unsigned char *map_arena(size_t bytes, size_t *mapped) {
+    size_t len = (bytes + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
+    size_t slack = len >= HUGE_PAGE ? HUGE_PAGE : 0;   /* room to align the start */
+    if (len == 0 || len > SIZE_MAX - slack) return NULL;
+    unsigned char *raw = mmap(NULL, len + slack, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    size_t head = slack ? (HUGE_PAGE - (uintptr_t)raw % HUGE_PAGE) % HUGE_PAGE : 0;
+    /* Unmapping the slack around the aligned range cannot fail for ranges
+     * of a mapping we own; a failure would only leave them mapped. */
+    if (head) (void)munmap(raw, head);
+    if (slack - head) (void)munmap(raw + head + len, slack - head);
+    unsigned char *arena = raw + head;
+    *mapped = len;
 #ifdef MADV_HUGEPAGE
-    if (align == HUGE_PAGE && madvise(arena, bytes / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE) != 0) {
-        /* advisory: without huge pages the arena works the same, only slower to fill */
+    if (slack && madvise(arena, len / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE) != 0) {
+        /* advisory: without huge pages the arena works the same, with more segments per read */
     }
 #endif
     return arena;
@@ -216,7 +240,7 @@ static int build_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t
         if (__builtin_mul_overflow(L->slot_bytes, (uint64_t)L->n_slots, &arena_bytes) || arena_bytes > SIZE_MAX)
             return coli_fail(err, n, COLI_ENOMEM, "layer %d: %d slots of %llu bytes overflow",
                              L->id, L->n_slots, (unsigned long long)L->slot_bytes);
-        unsigned char *arena = s->replay ? NULL : alloc_arena((size_t)arena_bytes);
+        unsigned char *arena = s->replay ? NULL : map_arena((size_t)arena_bytes, &L->arena_bytes);
         if (!arena && !s->replay)
             return coli_fail(err, n, COLI_ENOMEM, "cannot allocate %llu bytes for the %d slots of layer %d",
                              (unsigned long long)arena_bytes, L->n_slots, L->id);
@@ -372,10 +396,6 @@ int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
     if (rc) return rc;
     s->wait_timeout_ns = cfg->slot_wait_timeout_ns;
     s->demand_first = cfg->prefetch_never_pauses == 0;
-    uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes : LS_DEFAULT_PREFETCH_CHUNK;
-    if (chunk < LS_MIN_PREFETCH_CHUNK) chunk = LS_MIN_PREFETCH_CHUNK;
-    if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
-    s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
     rc = init_gate(s, err, n);
     if (rc == COLI_OK && !s->replay) {
         rc = coli_files_open(&s->files, cfg->files, cfg->n_files, s->direct, err, n);
@@ -386,6 +406,11 @@ int ls_create(const ColiStoreConfig *cfg, LsStore **out, char *err, size_t n) {
             coli_files_tune(&s->files, cfg->read_chunk_bytes ? cfg->read_chunk_bytes : COLI_DEFAULT_READ_CHUNK,
                             cfg->read_without_advice == 0);
     }
+    uint64_t chunk = cfg->prefetch_chunk_bytes ? cfg->prefetch_chunk_bytes
+                     : s->files.direct ? LS_DEFAULT_DIRECT_PREFETCH_CHUNK : LS_DEFAULT_PREFETCH_CHUNK;
+    if (chunk < LS_MIN_PREFETCH_CHUNK) chunk = LS_MIN_PREFETCH_CHUNK;
+    if (chunk > (1ull << 40)) chunk = 1ull << 40;   /* no overflow rounding up */
+    s->prefetch_chunk = (chunk + COLI_IO_ALIGN - 1) / COLI_IO_ALIGN * COLI_IO_ALIGN;
     if (rc == COLI_OK) rc = build_layers(s, cfg, err, n);
     if (rc == COLI_OK) rc = count_slots(s, cfg, err, n);
     if (rc == COLI_OK) rc = build_slots(s, cfg, err, n);
@@ -427,8 +452,7 @@ int ls_close(LsStore *s, char *err, size_t n) {
         for (int j = 0; j < L->n_slots; j++)   /* their jobs are gone: no load is left */
             if (L->slots[j].state == LS_QUEUED) ls_slot_empty(s, L, &L->slots[j]);
         pthread_mutex_unlock(&L->mu);
-        free(L->arena);
-        L->arena = NULL;
+        free_arena(L);
     }
     coli_files_close(&s->files);
     return COLI_OK;

@@ -52,6 +52,10 @@
 #define LS_DEFAULT_QUEUE_DEPTH 256u
 #define LS_ERRLEN COLI_ERR_LEN
 #define LS_DEFAULT_PREFETCH_CHUNK (1ull << 20)   /* a prefetch read can yield to demand reads this often */
+/* With O_DIRECT each chunk is a request of its own to the device, and each
+ * request costs a fixed overhead besides its bytes: an expert of a few MiB
+ * goes in one. */
+#define LS_DEFAULT_DIRECT_PREFETCH_CHUNK (4ull << 20)
 #define LS_MIN_PREFETCH_CHUNK (64ull << 10)
 #define LS_PAUSE_LIMIT_NS 50000000ll     /* longest a prefetch chunk waits for demand reads */
 #define LS_DEMAND_JOB (1ull << 63)       /* tag bit of a batch read job; the rest is the generation */
@@ -132,7 +136,8 @@ struct LsLayer {
     int n_slots;
     int n_pinned;                 /* slots pinned now */
     uint64_t slot_bytes;          /* stride of the arena, fixed */
-    unsigned char *arena;
+    unsigned char *arena;         /* slot memory: a mapping of its own (ls_create.c) */
+    size_t arena_bytes;           /* the mapping's length, for munmap; 0 without an arena */
     const LsPolicy *policy;       /* fixed */
     void *pol;                    /* the policy's state of this layer (its init's) */
     double pol_param;             /* the policy's tuning constant; 0 = its default; fixed */

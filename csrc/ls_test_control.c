@@ -37,6 +37,11 @@ int coli_test_control(ColiExpertStore *store, int op, ...) {
         if (out) *out = L ? L->slot_bytes : 0;
         break;
     }
+    case COLI_TEST_PREFETCH_CHUNK: {
+        uint64_t *out = va_arg(ap, uint64_t *);
+        if (out) *out = s->prefetch_chunk;
+        break;
+    }
     default:
         rc = COLI_EINVAL;
     }

@@ -129,3 +129,12 @@ def slot_bytes(store: Any, layer: int) -> int:
     out = ffi.new("uint64_t *")
     _control(store, "COLI_TEST_SLOT_BYTES", ffi.cast("int", layer), out)
     return int(out[0])
+
+
+def prefetch_chunk(store: Any) -> int:
+    """The size of the chunks prefetch reads go in, as the store resolved it."""
+    from colibri._ffi import ffi
+
+    out = ffi.new("uint64_t *")
+    _control(store, "COLI_TEST_PREFETCH_CHUNK", out)
+    return int(out[0])

@@ -218,3 +218,38 @@ def test_gating_the_kernels_lack_takes_the_torch_path() -> None:
     assert _kernel_activation(Silu(transformers.activations.ACT2FN["silu"]))[0] == "silu"
     assert _kernel_activation(Silu(torch.nn.GELU())) is None
     assert _kernel_activation(OwnGate(torch.nn.SiLU())) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["bf16", "int4", "mxfp4"])
+def test_a_token_gets_the_same_bits_alone_or_in_a_batch(ckpt: Callable[[str], str], name: str,
+                                                        dtype: str) -> None:
+    """The experts' forward of a batch gives each token the bits that token
+    gets alone, whatever the other tokens routed to (so the lease order and
+    grouping differ): the kernels' per-token sums, and the per-token sum of
+    its k experts in routing order. A server's greedy output then does not
+    depend on what it is batched with."""
+    from colibri.hf.runtime import experts_modules
+
+    path = ckpt(name)
+    model = hf.from_pretrained(path, torch_dtype=getattr(torch, dtype), slots_per_layer=2,
+                               prefetch=None)
+    try:
+        runtime = hf.runtime_of(model)
+        layer, module = next(iter(experts_modules(model).items()))
+        n_experts = hf.store_of(model).num_experts(layer)
+        k = int(model.config.num_experts_per_tok)
+        gen = torch.Generator().manual_seed(5)
+        tokens = 7
+        hidden = torch.randn(tokens, int(model.config.hidden_size), generator=gen).to(getattr(torch, dtype))
+        index = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1).to(hidden.dtype)
+        with torch.no_grad():
+            batch = runtime.experts_forward(module, layer, hidden, index, weights)
+            for t in range(tokens):
+                alone = runtime.experts_forward(module, layer, hidden[t:t + 1], index[t:t + 1],
+                                                weights[t:t + 1])
+                assert torch.equal(alone[0], batch[t]), (name, dtype, t)
+        assert hf.store_of(model).active_leases == 0
+    finally:
+        model.colibri_close()

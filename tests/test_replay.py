@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 import colibri
 from colibri import FormatError, Trace
-from colibri.replay import belady, replay, resolve_slots
+from colibri.replay import batched, belady, distinct_rows, replay, resolve_slots
 from colibri.synthetic import write_synthetic_model
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
@@ -249,3 +250,123 @@ def test_pins_must_leave_room():
         replay(t, slots_per_layer=3, pinned=[(2, 0), (2, 1), (2, 2)])
     with pytest.raises(FormatError, match="not in the trace"):
         replay(t, slots_per_layer=3, pinned=[(3, 0)])
+
+
+# -- batched decoding ------------------------------------------------------
+
+
+def with_sequences(t: Trace, lengths: list[int]) -> Trace:
+    """``t``'s tokens cut into sequences of these lengths (ids 10, 11, ...: not 0-based on purpose)."""
+    ids = np.repeat(np.arange(10, 10 + len(lengths)), lengths)
+    return Trace.from_arrays(t.layers, t.experts[:len(ids)], None, ids, t.num_experts)
+
+
+def per_layer_leases(t: Trace) -> dict[int, list[tuple[int, ...]]]:
+    """Each layer's lease_many calls in order (a row of -1 is no call)."""
+    return {layer: [r for r in distinct_rows(t, i) if r] for i, layer in enumerate(t.layers.tolist())}
+
+
+def expected_leases(t: Trace, batch: int, slots: int, arrival: list[int]) -> dict[int, list[tuple[int, ...]]]:
+    """What a server decoding ``batch`` sequences in lockstep leases, per layer:
+    for each batch and step, the union of the members' experts, ascending, in
+    groups of ``slots``."""
+    out: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in t.layers.tolist()}
+    rows = [np.flatnonzero(t.sequence == s) for s in arrival]
+    for start in range(0, len(rows), batch):
+        members = rows[start:start + batch]
+        for p in range(max(len(m) for m in members)):
+            for i, layer in enumerate(t.layers.tolist()):
+                union = sorted({int(e) for m in members if p < len(m) for e in t.experts[m[p], i] if e >= 0})
+                out[layer] += [tuple(union[j:j + slots]) for j in range(0, len(union), slots)]
+    return out
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(st.integers(1, 6), min_size=1, max_size=7),
+       batch=st.integers(1, 4), k=st.integers(1, 3), extra=st.integers(0, 5), shuffle=st.booleans())
+def test_batched_leases_each_steps_union_once_in_slot_groups(seed, lengths, batch, k, extra, shuffle):
+    rng = np.random.default_rng(seed)
+    t = with_sequences(random_trace(rng, sum(lengths), [1, 4], 9, k), lengths)
+    arrival = list(t.sequences)
+    if shuffle:
+        rng.shuffle(arrival)
+    slots = k + extra
+    b = batched(t, batch, slots_per_layer=slots, sequences=arrival)
+    assert per_layer_leases(b) == expected_leases(t, batch, slots, arrival)
+    assert list(b.sequence) == sorted(b.sequence) and set(b.sequence) == set(range(-(-len(lengths) // batch)))
+    assert b.requests <= t.requests            # a shared expert is leased once per step
+    assert belady(b, slots).misses >= 0 and replay(b, slots_per_layer=slots).requests == b.requests
+    if batch == 1 and not shuffle:             # one at a time: each token's own experts, and the same optimum
+        assert b.requests == t.requests and belady(b, slots).misses == belady(t, slots).misses
+
+
+def test_batched_members_leave_when_they_end():
+    e = [[[0, 1]], [[2, 3]], [[4, 5]], [[1, 6]]]    # sequence 0: tokens 0-2; sequence 1: token 3
+    t = Trace.from_arrays([0], e, None, [0, 0, 0, 1], 8)
+    assert per_layer_leases(batched(t, 2)) == {0: [(0, 1, 6), (2, 3), (4, 5)]}
+    assert per_layer_leases(batched(t, 2, sequences=[1, 0])) == {0: [(0, 1, 6), (2, 3), (4, 5)]}
+    assert per_layer_leases(batched(t, 1, sequences=[1, 0])) == {0: [(1, 6), (0, 1), (2, 3), (4, 5)]}
+    assert batched(t, 1).sequence.tolist() == [0, 0, 0, 1]
+
+
+def test_batched_shared_first_orders_by_votes_then_rank():
+    # step 0: 1 is chosen by both sequences; 3 is ranked first by one, 2 second by the other
+    t = Trace.from_arrays([0], [[[3, 1]], [[1, 2]]], None, [0, 1], 4)
+    assert per_layer_leases(batched(t, 2)) == {0: [(1, 2, 3)]}
+    assert per_layer_leases(batched(t, 2, order="shared-first")) == {0: [(1, 3, 2)]}
+    assert per_layer_leases(batched(t, 2, slots_per_layer=2, order="shared-first")) == {0: [(1, 3), (2,)]}
+    assert per_layer_leases(batched(t, 2, slots_per_layer=2)) == {0: [(1, 2), (3,)]}
+
+
+def test_batched_layers_with_fewer_groups_are_padded():
+    t = Trace.from_arrays([0, 1], [[[0, 1], [0, 1]], [[2, 3], [0, 1]]], None, [0, 1], 4)
+    b = batched(t, 2, slots_per_layer=2)
+    assert b.experts.tolist() == [[[0, 1], [0, 1]], [[2, 3], [-1, -1]]]
+    assert replay(b, slots_per_layer=2).per_layer[1].requests == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch=0), "batch must be"), (dict(batch=2, order="votes"), "unknown order"),
+    (dict(batch=2, sequences=[0, 0]), "distinct"), (dict(batch=2, sequences=[5]), "distinct"),
+    (dict(batch=2, slots_per_layer=1), "cannot hold"),
+])
+def test_batched_bad_arguments(kwargs, match):
+    t = random_trace(np.random.default_rng(0), 6, [0], 8, 2)
+    with pytest.raises(FormatError, match=match):
+        batched(t, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_belady_bounds_every_policy_on_batched_real_traces(name):
+    t = Trace.load(REAL[name])
+    slots = max(t.top_k, t.num_experts // 4)
+    for order in ("id", "shared-first"):
+        b = batched(t, 4, slots_per_layer=slots, order=order)
+        best = belady(b, slots)
+        for policy in colibri.POLICIES:
+            assert replay(b, slots_per_layer=slots, policy=policy).hits <= best.hits
+
+
+def _serve_replay():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serve_replay
+    return serve_replay
+
+
+def test_serve_replay_pieces_and_rows():
+    """benchmarks/serve_replay.py: pieces cover every token in order, and in
+    every row of its study Belady reads no more than any policy on the same
+    lease order, and batch 1 has one expert per distinct choice."""
+    sr = _serve_replay()
+    t = with_sequences(random_trace(np.random.default_rng(5), 40, [0, 3], 12, 3), [7, 30, 3])
+    pieces = sr.split_sequences(t, 6)
+    assert [int((pieces.sequence == s).sum()) for s in pieces.sequences] == [7, 6, 6, 6, 6, 6, 3]
+    assert pieces.experts.tolist() == t.experts.tolist() and list(pieces.sequence) == sorted(pieces.sequence)
+    rows = sr.study(pieces, [0.25, 0.5], [1, 3], perms=2, seed=1)
+    assert len(rows) == 2 * 2 * 2 * 2      # groupings x slots x batches x regimes
+    for r in rows:
+        for order in ("id", "shared"):
+            assert all(r["reads"][f"belady/{order}"] <= r["reads"][f"{p}/{order}"] + 1e-12
+                       for p in colibri.POLICIES)
+        if r["batch"] == 1:
+            assert r["union"] == pytest.approx(t.requests / len(t) / 2)

@@ -185,6 +185,7 @@ def test_models_health_and_metrics(server: Server, client: Any) -> None:
     assert values["colibri_store_requests_total"] > 0 and values["colibri_serve_generated_tokens_total"] >= 3
     assert 0 <= values["colibri_store_hit_rate"] <= 1
     assert values["colibri_serve_tokens_per_second"] > 0
+    assert values['colibri_store_info{policy="lru"}'] == 1     # from_pretrained's default: the store's
 
 
 def test_completions_equal_generate(server: Server, client: Any, tokenizer: Any, reference: Any) -> None:
@@ -296,6 +297,88 @@ def test_max_batch_1_runs_one_request_at_a_time(plain_model: Any, tokenizer: Any
         text = tokenizer.decode(prompt + tokens, skip_special_tokens=True)
         assert text[len(tokenizer.decode(prompt, skip_special_tokens=True)):] == reference(prompt)[0]
     assert stats.step_rows == stats.steps and stats.prefills == 3
+
+
+class _LeaseLog:
+    """The store as the experts forward sees it, logging each lease_many's (layer, experts)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def lease_many(self, layer: int, experts: Any) -> Any:
+        experts = [int(e) for e in experts]
+        self.calls.append((layer, tuple(experts)))
+        return self._store.lease_many(layer, experts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_batched_replay_is_what_the_engine_leases(tiny: str, tokenizer: Any) -> None:
+    """colibri.replay.batched (shared-first order) writes out the very lease_many
+    calls the engine's decode steps make (prefetch off), so replaying a
+    batched trace is replaying this server."""
+    from colibri import Trace
+    from colibri.replay import batched
+
+    model = hf.from_pretrained(tiny, slots_per_layer=4, prefetch="off")
+    runtime = hf.runtime_of(model)
+    layers = list(runtime.moe_layers)
+    prompts = [_completion_ids(tokenizer, p) for p in PROMPTS[:4]]
+    try:
+        tokens: list[dict[int, list[int]]] = []
+
+        def route(layer: int, index: Any, weights: Any) -> None:   # decode rows only: one token alone
+            if index.shape[0] == 1:
+                if layer == layers[0]:
+                    tokens.append({})
+                tokens[-1][layer] = index[0].tolist()
+
+        runtime.routing = route
+        sequence = []
+        for i, prompt in enumerate(prompts):
+            engine = Engine(model, max_batch=1).start()
+            try:
+                _engine_run(engine, [prompt], NEW)
+            finally:
+                engine.shutdown(timeout=60)
+            sequence += [i] * (len(tokens) - len(sequence))
+        runtime.routing = None
+        solo = Trace.from_arrays(layers, [[t[layer] for layer in layers] for t in tokens], None, sequence,
+                                 runtime.store.num_experts(layers[0]))
+        assert len(solo) == len(prompts) * (NEW - 1)        # the first token of each comes from its prefill
+
+        log = _LeaseLog(runtime.store)
+        runtime.store = log
+        steps: list[tuple[int, int, int]] = []               # (layer, rows, groups) of each MoE layer run
+        runtime.progress = lambda p: steps.append((p.layer, p.tokens, p.groups))
+        engine = Engine(model, max_batch=4)
+        queues = [queue.Queue() for _ in prompts]
+        for prompt, q in zip(prompts, queues):               # all waiting before the engine starts: one batch
+            engine.submit(prompt, Sampling(max_tokens=NEW, temperature=0), q.put)
+        engine.start()
+        try:
+            for q in queues:
+                while q.get(timeout=120).kind == "token":
+                    pass
+        finally:
+            engine.shutdown(timeout=60)
+        runtime.store, runtime.progress = log._store, None
+        decode: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in layers}
+        at = 0
+        for layer, rows, groups in steps:                     # a decode step has one row per sequence
+            if rows == len(prompts):
+                decode[layer] += [experts for _, experts in log.calls[at:at + groups]]
+            at += groups
+        assert at == len(log.calls)
+        expected = batched(solo, len(prompts), slots_per_layer=4, order="shared-first")
+        want = {layer: [tuple(e for e in row if e >= 0) for row in expected.experts[:, i].tolist()
+                        if any(e >= 0 for e in row)] for i, layer in enumerate(layers)}
+        assert decode == want
+        assert any(rows == len(prompts) and groups > 1 for _, rows, groups in steps)   # unions beyond 4 slots
+    finally:
+        model.colibri_close()
 
 
 def test_a_model_that_cannot_batch_row_exactly_runs_unbatched(tiny: str, tokenizer: Any) -> None:
@@ -525,11 +608,12 @@ def test_pilot_batches_and_stop_closes_the_store(tiny: str, tokenizer: Any, refe
         httpx.get(server.url + "/health", timeout=5)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_stops_the_command_and_closes_the_store(tiny: str, tmp_path: Any, sig: int) -> None:
+@pytest.mark.parametrize("sig, policy", [(signal.SIGTERM, None), (signal.SIGINT, "lru")], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_the_command_and_closes_the_store(tiny: str, tmp_path: Any, sig: int, policy: str | None) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    chosen = ["--policy", policy] if policy else []
     proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", tiny, "--port", "0", "--slots", "2",
-                             "--drain", "1"], stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+                             "--drain", "1", *chosen], stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
     try:
         assert proc.stderr is not None
         lines = []
@@ -543,6 +627,10 @@ def test_signal_stops_the_command_and_closes_the_store(tiny: str, tmp_path: Any,
         url = re.search(r"ready on (http://\S+)", "".join(lines))
         assert url, "".join(lines)
         assert any("loading" in line for line in lines) and any("loaded in" in line for line in lines)
+        expected = policy or "cooc"                     # the command's default policy is cooc
+        assert any(f"policy {expected}," in line for line in lines), "".join(lines)
+        metrics = httpx.get(url.group(1) + "/metrics", timeout=30).text
+        assert f'colibri_store_info{{policy="{expected}"}} 1' in metrics
         client = openai.OpenAI(base_url=url.group(1) + "/v1", api_key="none", max_retries=0, timeout=120)
         assert client.completions.create(model=MODEL, prompt="the cat", max_tokens=2, temperature=0).choices
         stream = client.completions.create(model=MODEL, prompt="the cat", max_tokens=200, temperature=0,

@@ -16,6 +16,8 @@ import errno
 import os
 import shutil
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from colibri.errors import FormatError
 from colibri.store import AVAILABLE_MEMORY_ENV
 from colibri.synthetic import write_synthetic_model
 from conftest import assert_expert_matches, expected_experts, tensor_ranges
+import core_control  # the test build's control
 
 SHM = Path("/dev/shm")
 
@@ -184,6 +187,83 @@ def test_a_bad_direct_io_is_refused(odd_model, value):
 def test_a_bad_read_chunk_is_refused(odd_model):
     with pytest.raises(FormatError, match="read_chunk_bytes"):
         colibri.open_store(odd_model.path, read_chunk_bytes=-1)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_o_direct_prefetch_reads_go_in_larger_chunks_by_default(odd_model, direct):
+    """With O_DIRECT each chunk is a device request of its own: 4 MiB by
+    default, 1 MiB through the page cache; a size given applies in both."""
+    with colibri.open_store(odd_model.path, slots_per_layer=2, prefetch_workers=1,
+                            direct_io=direct) as store:
+        if direct and not store.direct_io:
+            pytest.skip("this file system refuses O_DIRECT")
+        assert core_control.prefetch_chunk(store) == (4 << 20 if direct else 1 << 20)
+    with colibri.open_store(odd_model.path, slots_per_layer=2, prefetch_workers=1, direct_io=direct,
+                            prefetch_chunk_bytes=100_000) as store:
+        assert core_control.prefetch_chunk(store) == 100 << 10   # rounded up to 4 KiB
+
+
+# Run in a child so its allocator settings stay there: big blocks come from
+# the heap and freed ones stay in it, as in a process that has run a while
+# (an engine that loaded a model, or one that opened stores before). The
+# heap's memory was written first, so it sits on 4 KiB pages.
+SLOT_MEMORY_CHILD = textwrap.dedent("""
+    import ctypes, mmap, sys
+    import colibri
+
+    def huge_kb(lo, hi):
+        total, overlaps = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    overlaps = start < hi and end > lo
+                elif overlaps and head == "AnonHugePages:":
+                    total += int(line.split()[1])
+        return total
+
+    probe = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    probe.madvise(mmap.MADV_HUGEPAGE)
+    probe.write(b"\1" * (8 << 20))
+    at = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+    if huge_kb(at, at + (8 << 20)) == 0:
+        print("no transparent huge pages for a fresh mapping here")
+        sys.exit(3)
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
+    block = libc.malloc(ctypes.c_size_t(64 << 20))
+    ctypes.memset(block, 1, 64 << 20)
+    libc.free(ctypes.c_void_p(block))
+    with colibri.open_store(sys.argv[1], slots_per_layer=8, prefetch_workers=0, direct_io=False) as store:
+        starts = []
+        for e in range(8):
+            with store.lease(0, e) as ex:
+                starts.append(ex.gate.__array_interface__["data"][0])
+        lo, hi = min(starts), max(starts) + (3 << 20)
+        print(huge_kb(lo, hi) << 10, hi - lo)
+""")
+
+
+def test_slot_memory_is_on_huge_pages_after_the_heap_was_used(tmp_path):
+    """A 3 MiB O_DIRECT read into 4 KiB pages needs more segments than one
+    device request takes, and is split. Slot memory is a fresh mapping
+    advised to use huge pages, never recycled heap memory already on small
+    pages: checked in a child whose heap holds 64 MiB freed."""
+    model = write_synthetic_model(tmp_path / "model", n_layers=1, n_experts=8, hidden=1024,
+                                  intermediate=512, dtype="float16")
+    assert model.expert_nbytes == 3 << 20
+    run = subprocess.run([sys.executable, "-c", SLOT_MEMORY_CHILD, str(model.path)],
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode == 3:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, run.stderr
+    huge, span = map(int, run.stdout.split())
+    # All of it but a 2 MiB page at either end, which the slots may share
+    # with memory outside the arena.
+    assert huge >= span - (4 << 20), f"{huge:,} of {span:,} bytes of slot memory on huge pages"
 
 
 @pytest.fixture(scope="module")

@@ -126,8 +126,8 @@ class Runtime:
             return union
         wanted = set(union)
         first = [e for e in predicted if e in wanted]
-        rest = [e for e in union if e not in set(first)]
-        return first + rest
+        taken = set(first)
+        return first + [e for e in union if e not in taken]
 
     def experts_forward(self, module: Any, layer: int, hidden_states: Any, top_k_index: Any,
                         top_k_weights: Any) -> Any:
@@ -143,7 +143,7 @@ class Runtime:
         if pilot is not None:
             pilot.observe(layer, pairs.union)
         # A union larger than the cache streams through it (LayerStream).
-        stream = LayerStream(store, layer, self._order(layer, pairs.union))
+        stream = LayerStream(store, layer, self._order(layer, pairs.shared_first))
         kernel = self._kernel_of(layer, module)
         if kernel is None:
             out = self._forward_torch(module, layer, hidden_states, top_k_weights, pairs, stream)
@@ -226,8 +226,14 @@ class Runtime:
                         activation=activation, alpha=alpha, limit=limit)
             start, first = end, first + rows
         w = top_k_weights.reshape(-1)[perm].to(torch.float32)
-        out = torch.zeros(pairs.tokens, hidden_states.shape[-1], dtype=torch.float32)
-        out.index_add_(0, perm // pairs.k, y * w[:, None])
+        weighted = torch.empty(pairs.tokens * pairs.k, hidden_states.shape[-1], dtype=torch.float32)
+        weighted[perm] = y * w[:, None]
+        # Added by routing position, whatever order the experts were leased
+        # in: a token's sum is the same bits alone or in any batch.
+        per_position = weighted.view(pairs.tokens, pairs.k, -1)
+        out = per_position[:, 0].clone()
+        for j in range(1, pairs.k):
+            out += per_position[:, j]
         return out.to(hidden_states.dtype)
 
 
@@ -249,6 +255,12 @@ class _Pairs:
                 r[1].append(j)
         self.rows = rows
         self.union = sorted(rows)
+        # Lease order: experts more of the batch's tokens chose first, then
+        # the better ranked (sum of 1 / (1 + position)), then by id. When the
+        # union streams through the cache in groups, the shared experts are
+        # then leased once, early, before later groups evict anything.
+        self.shared_first = sorted(rows, key=lambda e: (-len(rows[e][0]),
+                                                        -sum(1.0 / (1 + j) for j in rows[e][1]), e))
 
     def by_expert(self, order: list[int]) -> tuple[Any, np.ndarray]:
         """The pairs (flat indices ``token * k + position``) grouped by expert

@@ -18,6 +18,8 @@ import threading
 from typing import Any
 
 from colibri.errors import ColibriError, FormatError
+from colibri.serve.server import DEFAULT_POLICY
+from colibri.store import POLICIES
 
 __all__ = ["add_parser", "run"]
 
@@ -34,6 +36,8 @@ def add_parser(sub: Any) -> None:
                         help="RAM for the expert cache in GiB, split evenly across MoE layers")
     budget.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer")
     s.add_argument("--prefetch", choices=["pilot", "off"], default="pilot")
+    s.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help=f"the expert cache's eviction policy (default {DEFAULT_POLICY}; docs/serve.md says why)")
     s.add_argument("--max-batch", type=int, default=8, help="most sequences that decode together (1: no batching)")
     s.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $COLIBRI_API_KEY, else none)")
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)     # a port in use fails now, not after the load
     try:
         model, tokenizer = load(args.model_dir, ram_gb=args.ram_gb, slots=args.slots,
-                                prefetch=args.prefetch, out=err)
+                                prefetch=args.prefetch, policy=args.policy, out=err)
     except BaseException:
         sock.close()
         raise

@@ -42,6 +42,8 @@ def render(engine: Any) -> str:
     metric("colibri_store_hit_rate", "gauge", "store hits / requests", None if stats is None else stats.hit_rate)
     metric("colibri_store_active_leases", "gauge", "expert leases held now",
            None if store.closed else store.active_leases)
+    metric("colibri_store_info", "gauge", "the store's eviction policy, as a label", None,
+           [(f'{{policy="{store.policy}"}}', 1)])
     e = engine.stats()
     metric("colibri_prefetch_precision", "gauge",
            "share of the experts PILOT prefetched that the next layer used (NaN: prefetch off)",
