@@ -30,7 +30,7 @@ from colibri.kernels import moe_combine, moe_ffn
 from colibri.moe import LayerStream
 from colibri.torch_interop import as_torch, dequantize_torch
 
-__all__ = ["KERNELS", "LayerProgress", "Runtime", "RouterPilot", "colibri_experts_forward",
+__all__ = ["KERNELS", "LayerProgress", "OneTokenBlas", "Runtime", "RouterPilot", "colibri_experts_forward",
            "experts_modules"]
 
 #: How the routed experts are computed: colibri's native kernels straight from
@@ -101,6 +101,8 @@ class Runtime:
         self._position = {layer: i for i, layer in enumerate(moe_layers)}
         #: Called after each MoE layer with a :class:`LayerProgress` (e.g. a prefill progress bar).
         self.progress: Callable[[LayerProgress], None] | None = None
+        #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
+        self.decode_blas = False
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
         self.routing: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self._predicted: dict[int, tuple[int, ...]] = {}
@@ -258,6 +260,60 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+class OneTokenBlas:
+    """Forward hooks that run a forward of one token (a batch-1 decode
+    step) with oneDNN off (``torch.backends.mkldnn``), so that torch
+    computes the bfloat16 linear layers (attention, routers, the LM head)
+    with MKL's matrix-vector product instead of oneDNN's matmul: on one
+    row, read once from memory, the former is about twice as fast on the
+    CPUs measured (docs/hf.md). Forwards of more rows are untouched (there
+    oneDNN is far faster), and the flag is put back after the forward, even
+    when it raises. The flag is process-wide: another thread's forward that
+    runs meanwhile computes the same, only possibly slower."""
+
+    def __init__(self) -> None:
+        self._flipped = threading.local()
+
+    def _stack(self) -> list[bool]:
+        stack = getattr(self._flipped, "stack", None)
+        if stack is None:
+            stack = self._flipped.stack = []
+        return stack
+
+    def before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mkldnn = _torch().backends.mkldnn
+        flip = _rows(args, kwargs) == 1 and bool(mkldnn.enabled)
+        if flip:
+            try:
+                mkldnn.enabled = False
+            except RuntimeError:        # torch's global flags frozen (its own test suite)
+                flip = False
+        self._stack().append(flip)
+
+    def after(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        stack = self._stack()
+        if stack and stack.pop():
+            _torch().backends.mkldnn.enabled = True
+
+    @staticmethod
+    def wanted(model: Any) -> bool:
+        """Whether a model gains from it: bfloat16 weights, and a torch with MKL (its gemv) and oneDNN."""
+        torch = _torch()
+        return (getattr(model, "dtype", None) == torch.bfloat16 and torch.backends.mkl.is_available()
+                and torch.backends.mkldnn.is_available())
+
+
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Token rows of a causal LM forward's input (input_ids or inputs_embeds); -1 when unknown."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is not None:
+        return int(ids.numel())
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None and embeds.dim() >= 1 and embeds.shape[-1]:
+        return int(embeds.numel() // embeds.shape[-1])
+    return -1
 
 
 class _Pairs:
