@@ -39,7 +39,7 @@ from colibri.errors import ColibriError, error_for
 from colibri.checkpoint.experts import ExpertTensors
 from colibri.formats import GPTQ
 
-__all__ = ["expert_ffn", "experts_ffn", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
+__all__ = ["expert_ffn", "experts_ffn", "moe_ffn", "moe_combine", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
            "set_isa", "kernel_name", "set_threads", "default_threads"]
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gpt_oss")
@@ -364,12 +364,7 @@ def experts_ffn(leases: Sequence[Any], x: Any, counts: Sequence[int] | np.ndarra
     thread's share of the rows or more). Returns ``out``.
     """
     n = len(leases)
-    if n == 0:
-        raise ValueError("experts_ffn needs at least one lease")
-    handle, hidden = _store_of(leases[0], "leases[0]")
-    for i in range(1, n):
-        if getattr(type(leases[i]), "_store_handle", None) is not handle:
-            raise ValueError(f"leases[{i}] is not a lease of leases[0]'s store")
+    handle, hidden = _group_of(leases, "experts_ffn")
     xo, oo, out = _operands(x, out, hidden)
     if len(xo.shape) != 2:
         raise ValueError(f"x has shape {list(xo.shape)}; experts_ffn takes (tokens, {hidden})")
@@ -379,6 +374,17 @@ def experts_ffn(leases: Sequence[Any], x: Any, counts: Sequence[int] | np.ndarra
     _run(handle, views, n, ffi.cast("int64_t *", rows.ctypes.data), xo, oo, activation, threads,
          isa, alpha, limit)
     return out
+
+
+def _group_of(leases: Sequence[Any], what: str) -> tuple[Any, int]:
+    """The C store handle of leases of one store, and their layer's hidden size."""
+    if len(leases) == 0:
+        raise ValueError(f"{what} needs at least one lease")
+    handle, hidden = _store_of(leases[0], "leases[0]")
+    for i in range(1, len(leases)):
+        if getattr(type(leases[i]), "_store_handle", None) is not handle:
+            raise ValueError(f"leases[{i}] is not a lease of leases[0]'s store")
+    return handle, hidden
 
 
 def _row_offsets(counts: Sequence[int] | np.ndarray, n: int, tokens: int) -> np.ndarray:
@@ -393,3 +399,129 @@ def _row_offsets(counts: Sequence[int] | np.ndarray, n: int, tokens: int) -> np.
     if int(rows[-1]) != tokens:
         raise ValueError(f"counts add up to {int(rows[-1])} rows; x has {tokens}")
     return rows
+
+
+# ---------------------------------------------------------------------------
+# a MoE layer's (token, position) pairs: computed by expert, added by token
+
+
+def _matrix(value: Any, what: str, codes: dict[Any, int], *, writable: bool = False) -> tuple[int, int, tuple[int, ...], int]:
+    """(address, format code, shape, row stride in elements) of a 2-D torch
+    tensor or numpy array with contiguous rows, its dtype one of ``codes``."""
+    if isinstance(value, np.ndarray):
+        code = codes.get(value.dtype)
+        shape = value.shape
+        item = value.itemsize
+        stride = value.strides[0] // item if len(shape) == 2 and value.strides[0] % item == 0 else -1
+        ok = len(shape) == 2 and value.strides[1] == item and (not writable or value.flags.writeable)
+        address = int(value.__array_interface__["data"][0])
+    elif type(value).__module__.startswith("torch"):
+        if value.device.type != "cpu":
+            raise ValueError(f"{what} is on {value.device}; the kernels run on CPU tensors")
+        code = codes.get(value.dtype)
+        shape = tuple(value.shape)
+        ok = value.dim() == 2 and value.stride(1) == 1
+        stride = value.stride(0) if ok else -1
+        address = int(value.data_ptr())
+    else:
+        raise TypeError(f"{what} must be a numpy array or a torch tensor, not {type(value).__name__}")
+    if code is None:
+        raise TypeError(f"{what} is {value.dtype}; expected {' or '.join(map(str, codes))}")
+    if not ok or len(shape) != 2 or (shape[0] > 1 and stride < shape[1]):
+        raise ValueError(f"{what} must be 2-D with contiguous rows" + (" and writable" if writable else "")
+                         + f" (shape {list(shape)})")
+    return address, code, shape, stride
+
+
+_code_tables: dict[tuple[bool, tuple[str, ...]], dict[Any, int]] = {}
+
+
+def _codes(*names: str) -> dict[Any, int]:
+    """Format codes by numpy dtype and, once torch is imported, torch dtype."""
+    torch = sys.modules.get("torch")
+    key = (torch is not None, names)
+    codes = _code_tables.get(key)
+    if codes is None:
+        by_name = {"float32": (_F32, lib.COLI_TENSOR_F32), "bfloat16": (_BF16, lib.COLI_TENSOR_BF16),
+                   "int64": (np.dtype(np.int64), 0)}
+        codes = {}
+        for name in names:
+            dtype, code = by_name[name]
+            codes[dtype] = code
+            if torch is not None:
+                codes[getattr(torch, name)] = code
+        _code_tables[key] = codes
+    return codes
+
+
+def moe_ffn(leases: Sequence[Any], x: Any, index: Any, pairs: Any, *, activation: str = "silu",
+            threads: int | None = None, isa: str | None = None, alpha: float = 1.702,
+            limit: float = 7.0) -> Any:
+    """The (token, position) pairs of a MoE layer's routing that chose the
+    experts of ``leases`` (leased experts of one layer, e.g. one
+    :class:`~colibri.LeaseGroup` of the layer's union), each computed into
+    its own row of ``pairs``: ``pairs[t * k + j] = expert index[t, j]
+    applied to x[t]`` for every pair whose expert is leased; the other rows
+    are left as they are.
+
+    ``x`` is ``(tokens, hidden)`` float32 or bfloat16, ``index``
+    ``(tokens, k)`` int64 expert numbers, ``pairs`` ``(tokens * k, hidden)``
+    float32, numpy arrays or CPU torch tensors with contiguous rows. No row
+    is copied for an expert that one pair chose; a row's bits do not depend
+    on the other pairs. Keywords as :func:`expert_ffn`. Returns ``pairs``;
+    :func:`moe_combine` then adds each token's pairs.
+    """
+    n = len(leases)
+    handle, hidden = _group_of(leases, "moe_ffn")
+    x_at, x_code, x_shape, x_stride = _matrix(x, "x", _codes("float32", "bfloat16"))
+    i_at, _, i_shape, i_stride = _matrix(index, "index", _codes("int64"))
+    p_at, _, p_shape, p_stride = _matrix(pairs, "pairs", _codes("float32"), writable=True)
+    tokens, k = i_shape
+    if x_shape != (tokens, hidden) or p_shape != (tokens * k, hidden) or (tokens > 1 and i_stride != k) or \
+            (tokens * k > 1 and p_stride != hidden):
+        raise ValueError(f"x {list(x_shape)}, index {list(i_shape)} and pairs {list(p_shape)} must be "
+                         f"(tokens, {hidden}), (tokens, k) and (tokens * k, {hidden}), index and pairs "
+                         "contiguous")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
+    threads = default_threads(not isinstance(x, np.ndarray)) if threads is None else _check_threads(threads)
+    number = _isa_number(isa) if isa is not None else (
+        _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
+    views = ffi.new("ColiExpertView[]", n)
+    copy_views(leases, int(ffi.cast("uintptr_t", views)))
+    call = ffi.new("ColiMoeCall *", {
+        "index": ffi.cast("const int64_t *", i_at), "tokens": tokens, "k": k,
+        "x": ffi.cast("const void *", x_at), "x_format": x_code, "x_stride": x_stride if tokens > 1 else hidden,
+        "pairs": ffi.cast("float *", p_at), "isa": number})
+    err = ffi.new("char[]", _ERR_LEN)
+    rc = lib.coli_store_moe_ffn(handle, views, n, call, ACTIVATIONS.index(activation), alpha, limit,
+                                _pool(threads), err, _ERR_LEN)
+    if rc < 0:
+        raise error_for(rc, ffi.string(err).decode(errors="replace"))
+    return pairs
+
+
+def moe_combine(pairs: Any, weights: Any, out: Any) -> Any:
+    """Each token's routed output from its pairs' rows (as :func:`moe_ffn`
+    fills them): ``out[t] = sum of weights[t, j] * pairs[t * k + j]`` over
+    ``j = 0 .. k - 1`` in that order, in float32 (each product rounded, then
+    added), stored as ``out``'s dtype (float32, or bfloat16 rounded to
+    nearest even). ``pairs`` is ``(tokens * k, hidden)`` float32,
+    ``weights`` ``(tokens, k)`` float32 or bfloat16, ``out`` ``(tokens,
+    hidden)``, all contiguous. A token's sum is the same bits whatever else
+    is in the batch. Returns ``out``."""
+    p_at, _, p_shape, p_stride = _matrix(pairs, "pairs", _codes("float32"))
+    w_at, w_code, w_shape, w_stride = _matrix(weights, "weights", _codes("float32", "bfloat16"))
+    o_at, o_code, o_shape, o_stride = _matrix(out, "out", _codes("float32", "bfloat16"), writable=True)
+    tokens, k = w_shape
+    hidden = o_shape[1]
+    if p_shape != (tokens * k, hidden) or o_shape[0] != tokens or (tokens > 1 and (w_stride != k or o_stride != hidden)) \
+            or (tokens * k > 1 and p_stride != hidden):
+        raise ValueError(f"pairs {list(p_shape)}, weights {list(w_shape)} and out {list(o_shape)} must be "
+                         "(tokens * k, hidden), (tokens, k) and (tokens, hidden), contiguous")
+    err = ffi.new("char[]", _ERR_LEN)
+    rc = lib.coli_moe_combine(ffi.cast("const float *", p_at), ffi.cast("const void *", w_at), w_code, tokens, k,
+                              hidden, ffi.cast("void *", o_at), o_code, err, _ERR_LEN)
+    if rc < 0:
+        raise error_for(rc, ffi.string(err).decode(errors="replace"))
+    return out

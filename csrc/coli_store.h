@@ -269,6 +269,44 @@ int coli_store_expert_ffn(ColiExpertStore *store, const ColiExpertView *views, i
                           float alpha, float limit, ColiComputePool *pool, char *err,
                           size_t err_len);
 
+/* One MoE layer's routing, for coli_store_moe_ffn: tokens x k pairs, pair
+ * p = t * k + j (token t's j-th choice) routed to expert index[p]. x holds
+ * the tokens' rows (hidden each, F32 or BF16, x_stride elements apart);
+ * pairs, tokens * k rows of hidden floats, gets each pair's expert output
+ * in row p. pairs must not overlap x. isa picks the path as in
+ * coli_expert_ffn. */
+typedef struct {
+    const int64_t *index;
+    int64_t tokens;             /* >= 1 */
+    int64_t k;                  /* >= 1 */
+    const void *x;
+    ColiTensorFormat x_format;
+    int64_t x_stride;
+    float *pairs;
+    int isa;
+} ColiMoeCall;
+
+/* Computes the pairs of call routed to the experts of count leased views of
+ * one layer (e.g. one lease group of the layer's union): row p of
+ * call->pairs becomes expert index[p] applied to token p / k, for every
+ * pair whose expert is one of the views'; other rows are left as they are.
+ * A row's bits do not depend on which other pairs the call has. Threads,
+ * holds and errors as coli_store_expert_ffn. */
+int coli_store_moe_ffn(ColiExpertStore *store, const ColiExpertView *views, int count,
+                       const ColiMoeCall *call, int activation, float alpha, float limit,
+                       ColiComputePool *pool, char *err, size_t err_len);
+
+/* The routed output of tokens tokens from their k pairs' rows (pairs, as
+ * coli_store_moe_ffn fills them): out row t = the sum over j = 0 .. k - 1,
+ * in that order, of weights[t * k + j] * pairs row t * k + j, in float32
+ * (each product rounded, then added), then stored as out_format (F32, or
+ * BF16 rounded to nearest even). weights are F32 or BF16, tokens x k; out
+ * is tokens x hidden, not overlapping pairs. Returns 0; COLI_EINVAL for
+ * bad sizes or formats; COLI_ENOMEM. */
+int coli_moe_combine(const float *pairs, const void *weights, ColiTensorFormat weights_format,
+                     int64_t tokens, int64_t k, int64_t hidden, void *out,
+                     ColiTensorFormat out_format, char *err, size_t err_len);
+
 /* Times a prefetch read paused between chunks for a demand read. */
 uint64_t coli_store_prefetch_pauses(ColiExpertStore *store);
 

@@ -172,3 +172,11 @@ int coli_store_expert_ffn(ColiExpertStore *store, const ColiExpertView *views, i
     if (!s) return coli_fail(err, n, COLI_EINVAL, "expert ffn: not an expert store of this library");
     return ls_expert_ffn(s, views, count, rows, call, activation, alpha, limit, pool, err, n);
 }
+
+int coli_store_moe_ffn(ColiExpertStore *store, const ColiExpertView *views, int count,
+                       const ColiMoeCall *call, int activation, float alpha, float limit,
+                       ColiComputePool *pool, char *err, size_t n) {
+    LsStore *s = ls_store_of(store);
+    if (!s) return coli_fail(err, n, COLI_EINVAL, "moe ffn: not an expert store of this library");
+    return ls_moe_ffn(s, views, count, call, activation, alpha, limit, pool, err, n);
+}

@@ -44,6 +44,7 @@
 
 #include "coli_errors.h"
 #include "coli_sources.h"
+#include "coli_store.h"         /* ColiMoeCall */
 #include "expert_reader.h"
 #include "expert_store.h"
 #include "ffn.h"
@@ -352,6 +353,9 @@ int ls_expert_ffn(LsStore *s, const ColiExpertView *views, int count, const int6
                   ColiComputePool *pool, char *err, size_t n);
 int ls_ffn_expert(LsStore *s, const ColiExpertView *view, int activation, float alpha,
                   float limit, ColiFfnExpert *out, char *err, size_t n);
+/* coli_store_moe_ffn on a store of ours. */
+int ls_moe_ffn(LsStore *s, const ColiExpertView *views, int count, const ColiMoeCall *call,
+               int activation, float alpha, float limit, ColiComputePool *pool, char *err, size_t n);
 
 /* ---- counters and facts (ls_stats.c) --------------------------------- */
 

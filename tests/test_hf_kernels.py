@@ -253,3 +253,49 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(ckpt: Callable[[str], st
         assert hf.store_of(model).active_leases == 0
     finally:
         model.colibri_close()
+
+
+def _mkldnn_seen(model: Any) -> list[bool]:
+    """torch.backends.mkldnn.enabled as each MoE layer's forward saw it (a list that fills)."""
+    runtime = hf.runtime_of(model)
+    forward = runtime.experts_forward
+    seen: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        seen.append(bool(torch.backends.mkldnn.enabled))
+        return forward(*args)
+
+    runtime.experts_forward = spy  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("dtype, decode_blas, flips", [("bfloat16", True, True), ("bfloat16", False, False),
+                                                       ("float32", True, False)])
+def test_a_one_token_forward_takes_blas(ckpt: Callable[[str], str], dtype: str, decode_blas: bool,
+                                        flips: bool) -> None:
+    """decode_blas: a forward of one token of a bfloat16 model runs with
+    oneDNN off (MKL's gemv for the linear layers), a prefill with it on;
+    the flag is back as it was after each forward, also one that raised."""
+    if flips and not (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()):
+        pytest.skip("this torch has no MKL or no oneDNN")
+    model = hf.from_pretrained(ckpt("bf16"), torch_dtype=getattr(torch, dtype), slots_per_layer=2,
+                               prefetch=None, decode_blas=decode_blas)
+    try:
+        assert hf.runtime_of(model).decode_blas == flips
+        seen = _mkldnn_seen(model)
+        layers = len(hf.runtime_of(model).moe_layers)
+        assert torch.backends.mkldnn.enabled
+        with torch.no_grad():
+            out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+            assert seen == [True] * layers
+            model(torch.tensor([[8]]), past_key_values=out.past_key_values)
+            assert seen[layers:] == [not flips] * layers
+            model(inputs_embeds=torch.zeros(2, 1, model.config.hidden_size, dtype=model.dtype))
+            assert seen[2 * layers:] == [True] * layers
+        assert torch.backends.mkldnn.enabled
+        hf.runtime_of(model).experts_forward = None  # type: ignore[assignment]
+        with pytest.raises(TypeError), torch.no_grad():
+            model(torch.tensor([[8]]))
+        assert torch.backends.mkldnn.enabled
+    finally:
+        model.colibri_close()

@@ -10,7 +10,7 @@ from colibri.errors import ColibriError, FormatError
 from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED_MODEL_TYPES,
                                UnsupportedModelError, check_quantization, read_config)
 from colibri.hf.loaders import register
-from colibri.hf.runtime import KERNELS, RouterPilot, Runtime, experts_modules
+from colibri.hf.runtime import KERNELS, OneTokenBlas, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
 
 __all__ = ["from_pretrained", "module_parent_gate", "runtime_of", "store_of"]
@@ -28,6 +28,7 @@ def from_pretrained(
     direct_io: bool | None = None,
     torch_dtype: Any = None,
     kernels: str = "native",
+    decode_blas: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -42,7 +43,10 @@ def from_pretrained(
     (the default) computes every routed expert with colibri's kernels
     straight from its slot, whatever its format; ``"torch"`` dequantizes
     each leased expert into torch tensors and runs the module's own code
-    (the path before the kernels, for comparison and as a fallback). Other
+    (the path before the kernels, for comparison and as a fallback).
+    ``decode_blas`` (a bfloat16 model, torch with MKL): a forward of one
+    token runs with oneDNN off, so its bfloat16 linear layers take MKL's
+    matrix-vector product (:class:`~colibri.hf.runtime.OneTokenBlas`). Other
     keywords go to :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
@@ -74,6 +78,11 @@ def from_pretrained(
     try:
         model = _load(path, configs[loader], loader, torch_dtype)
         _attach(path, model, store, pilot_on, kernels)
+        if decode_blas and OneTokenBlas.wanted(model):
+            hooks = OneTokenBlas()
+            model.register_forward_pre_hook(hooks.before, with_kwargs=True)
+            model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+            model.colibri.decode_blas = True
         return model
     except BaseException:
         store.close()

@@ -23,14 +23,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, UnknownExpertError
 from colibri.pilot import Pilot
 from colibri.store import Store
-from colibri.kernels import experts_ffn
+from colibri.kernels import moe_combine, moe_ffn
 from colibri.moe import LayerStream
 from colibri.torch_interop import as_torch, dequantize_torch
 
-__all__ = ["KERNELS", "LayerProgress", "Runtime", "RouterPilot", "colibri_experts_forward",
+__all__ = ["KERNELS", "LayerProgress", "OneTokenBlas", "Runtime", "RouterPilot", "colibri_experts_forward",
            "experts_modules"]
 
 #: How the routed experts are computed: colibri's native kernels straight from
@@ -101,6 +101,8 @@ class Runtime:
         self._position = {layer: i for i, layer in enumerate(moe_layers)}
         #: Called after each MoE layer with a :class:`LayerProgress` (e.g. a prefill progress bar).
         self.progress: Callable[[LayerProgress], None] | None = None
+        #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
+        self.decode_blas = False
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
         self.routing: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self._predicted: dict[int, tuple[int, ...]] = {}
@@ -138,20 +140,21 @@ class Runtime:
         if self.routing is not None:
             self.routing(layer, top_k_index.detach().cpu().numpy().astype(np.int64),
                          top_k_weights.detach().float().cpu().numpy())
-        pairs = _Pairs(top_k_index)
+        index = top_k_index.detach().to(device="cpu", dtype=_torch().int64).contiguous()
+        union = shared_first(layer, index.numpy())
         pilot = self.pilot
         if pilot is not None:
-            pilot.observe(layer, pairs.union)
+            pilot.observe(layer, sorted(union))
         # A union larger than the cache streams through it (LayerStream).
-        stream = LayerStream(store, layer, self._order(layer, pairs.shared_first))
+        stream = LayerStream(store, layer, self._order(layer, union))
         kernel = self._kernel_of(layer, module)
         if kernel is None:
-            out = self._forward_torch(module, layer, hidden_states, top_k_weights, pairs, stream)
+            out = self._forward_torch(module, layer, hidden_states, top_k_weights, _Pairs(index), stream)
         else:
-            out = self._forward_native(kernel, layer, hidden_states, top_k_weights, pairs, stream)
+            out = self._forward_native(kernel, layer, hidden_states, top_k_weights, index, stream)
         if self.progress is not None:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
-                                        pairs.tokens, len(pairs.union), len(stream)))
+                                        int(index.shape[0]), len(union), len(stream)))
         return out
 
     def _kernel_of(self, layer: int, module: Any) -> tuple[str, float, float] | None:
@@ -204,49 +207,124 @@ class Runtime:
         return out.sum(dim=1).to(hidden_states.dtype)
 
     def _forward_native(self, kernel: tuple[str, float, float], layer: int, hidden_states: Any,
-                        top_k_weights: Any, pairs: "_Pairs", stream: LayerStream) -> Any:
-        """Every (token, expert) pair's row gathered by expert, each lease
-        group computed in one native call straight from the slots, the rows
-        weighted and added back per token."""
-        import torch
-
+                        top_k_weights: Any, index: Any, stream: LayerStream) -> Any:
+        """Each lease group's (token, position) pairs computed in one native
+        call straight from the slots, each pair into its own row (moe_ffn),
+        then each token's rows weighted and added in routing order
+        (moe_combine): a token's sum is the same bits alone or in any batch."""
+        torch = _torch()
         activation, alpha, limit = kernel
-        perm, counts = pairs.by_expert([e for group in stream.groups for e in group])
-        x = hidden_states[perm // pairs.k]
+        x = hidden_states
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
-        y = torch.empty(x.shape, dtype=torch.float32)
-        start = first = 0
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        tokens, k = (int(n) for n in index.shape)
+        pairs = torch.empty(tokens * k, x.shape[-1], dtype=torch.float32)
         for g, leased in enumerate(stream):
             if g == 0:
                 self._predict(layer, hidden_states)
-            end = start + len(leased)
-            rows = int(counts[start:end].sum())
-            experts_ffn(leased, x[first:first + rows], counts[start:end], out=y[first:first + rows],
-                        activation=activation, alpha=alpha, limit=limit)
-            start, first = end, first + rows
-        w = top_k_weights.reshape(-1)[perm].to(torch.float32)
-        weighted = torch.empty(pairs.tokens * pairs.k, hidden_states.shape[-1], dtype=torch.float32)
-        weighted[perm] = y * w[:, None]
-        # Added by routing position, whatever order the experts were leased
-        # in: a token's sum is the same bits alone or in any batch.
-        per_position = weighted.view(pairs.tokens, pairs.k, -1)
-        out = per_position[:, 0].clone()
-        for j in range(1, pairs.k):
-            out += per_position[:, j]
-        return out.to(hidden_states.dtype)
+            moe_ffn(leased, x, index, pairs, activation=activation, alpha=alpha, limit=limit)
+        w = top_k_weights.detach()
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            w = w.float()
+        out_dtype = hidden_states.dtype if hidden_states.dtype in (torch.float32, torch.bfloat16) \
+            else torch.float32
+        out = moe_combine(pairs, w.contiguous(), torch.empty(tokens, x.shape[-1], dtype=out_dtype))
+        return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def shared_first(layer: int, index: np.ndarray) -> list[int]:
+    """The experts a batch's routing ``index`` ((tokens, k) int64) chose,
+    each once, in lease order: experts more of the batch's pairs chose
+    first, then the better ranked (the sum of 1 / (1 + position) over their
+    pairs), then by number. When the union streams through the cache in
+    groups, the shared experts are leased once, early, before later groups
+    evict anything. (One token's k distinct experts: its routing order.)"""
+    tokens, k = index.shape
+    if tokens == 1:
+        chosen = index[0].tolist()
+        if len(set(chosen)) == k and min(chosen) >= 0:
+            return chosen
+    flat = index.reshape(-1)
+    if flat.size and int(flat.min()) < 0:
+        raise UnknownExpertError(f"layer {layer} has no expert {int(flat.min())}")
+    counts = np.bincount(flat)
+    # float64 sums in pair order, as the rank is defined
+    rank = np.bincount(flat, weights=np.tile(1.0 / np.arange(1, k + 1), tokens))
+    union = np.flatnonzero(counts)
+    return union[np.lexsort((union, -rank[union], -counts[union]))].tolist()
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class OneTokenBlas:
+    """Forward hooks that run a forward of one token (a batch-1 decode
+    step) with oneDNN off (``torch.backends.mkldnn``), so that torch
+    computes the bfloat16 linear layers (attention, routers, the LM head)
+    with MKL's matrix-vector product instead of oneDNN's matmul: on one
+    row, read once from memory, the former is about twice as fast on the
+    CPUs measured (docs/hf.md). Forwards of more rows are untouched (there
+    oneDNN is far faster), and the flag is put back after the forward, even
+    when it raises. The flag is process-wide: another thread's forward that
+    runs meanwhile computes the same, only possibly slower."""
+
+    def __init__(self) -> None:
+        self._flipped = threading.local()
+
+    def _stack(self) -> list[bool]:
+        stack = getattr(self._flipped, "stack", None)
+        if stack is None:
+            stack = self._flipped.stack = []
+        return stack
+
+    def before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mkldnn = _torch().backends.mkldnn
+        flip = _rows(args, kwargs) == 1 and bool(mkldnn.enabled)
+        if flip:
+            try:
+                mkldnn.enabled = False
+            except RuntimeError:        # torch's global flags frozen (its own test suite)
+                flip = False
+        self._stack().append(flip)
+
+    def after(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        stack = self._stack()
+        if stack and stack.pop():
+            _torch().backends.mkldnn.enabled = True
+
+    @staticmethod
+    def wanted(model: Any) -> bool:
+        """Whether a model gains from it: bfloat16 weights, and a torch with MKL (its gemv) and oneDNN."""
+        torch = _torch()
+        return (getattr(model, "dtype", None) == torch.bfloat16 and torch.backends.mkl.is_available()
+                and torch.backends.mkldnn.is_available())
+
+
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Token rows of a causal LM forward's input (input_ids or inputs_embeds); -1 when unknown."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is not None:
+        return int(ids.numel())
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None and embeds.dim() >= 1 and embeds.shape[-1]:
+        return int(embeds.numel() // embeds.shape[-1])
+    return -1
 
 
 class _Pairs:
-    """The (token, position) pairs of a batch's routing, by expert."""
+    """The (token, position) pairs of a batch's routing, by expert (the torch path)."""
 
-    def __init__(self, top_k_index: Any) -> None:
-        self.index = top_k_index
-        self.tokens, self.k = (int(n) for n in top_k_index.shape)
+    def __init__(self, index: Any) -> None:
+        self.tokens, self.k = (int(n) for n in index.shape)
         # Which (token, position) pairs chose each expert, in one pass over a
         # small host list (cheaper than a torch.where per expert at decode).
         rows: dict[int, tuple[list[int], list[int]]] = {}
-        for t, chosen in enumerate(top_k_index.tolist()):
+        for t, chosen in enumerate(index.tolist()):
             for j, e in enumerate(chosen):
                 r = rows.get(e)
                 if r is None:
@@ -254,22 +332,6 @@ class _Pairs:
                 r[0].append(t)
                 r[1].append(j)
         self.rows = rows
-        self.union = sorted(rows)
-        # Lease order: experts more of the batch's tokens chose first, then
-        # the better ranked (sum of 1 / (1 + position)), then by id. When the
-        # union streams through the cache in groups, the shared experts are
-        # then leased once, early, before later groups evict anything.
-        self.shared_first = sorted(rows, key=lambda e: (-len(rows[e][0]),
-                                                        -sum(1.0 / (1 + j) for j in rows[e][1]), e))
-
-    def by_expert(self, order: list[int]) -> tuple[Any, np.ndarray]:
-        """The pairs (flat indices ``token * k + position``) grouped by expert
-        in ``order``, and how many pairs each expert of ``order`` has."""
-        import torch
-
-        flat = [t * self.k + j for e in order for t, j in zip(*self.rows[e])]
-        counts = np.fromiter((len(self.rows[e][0]) for e in order), dtype=np.int64, count=len(order))
-        return torch.tensor(flat, dtype=torch.int64), counts
 
 
 def _kernel_activation(module: Any) -> tuple[str, float, float] | None:
