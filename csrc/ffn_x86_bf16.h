@@ -720,8 +720,9 @@ static const GxGroupFn GQ_GROUPS[2][3] = {{gq_group_1_1, gq_group_2_1, gq_group_
 enum { GX_TOKENS = 32, GX_TB = 4 };  /* GX_TB: the largest block of tokens of a group */
 
 /* Every token of a panel: blocks of up to GX_TOKENS tokens, each group
- * for every two of them (the group's rows of the panel stay in cache), then
- * the results. */
+ * for every four of them, then two, then one (the group's rows of the panel
+ * stay in cache; four share each decoded vector: measured faster than two,
+ * and eight spill registers), then the results. */
 static void gx_tokens(const void *info, const GxGroupFn fns[3], GxParamsFn params, GxStoreFn store,
                       int64_t groups, const ColiFfnTask *task, int64_t part, float *p, float *acc,
                       int64_t ldp, float *zsv) {
@@ -732,7 +733,7 @@ static void gx_tokens(const void *info, const GxGroupFn fns[3], GxParamsFn param
         for (int64_t g = 0; g < groups; g++) {
             params(info, g, zsv);
             for (int t0 = b0; t0 < b0 + nb;) {
-                int left = b0 + nb - t0, tb = left >= 4 && fns[2] ? 4 : left >= 2 ? 2 : 1;
+                int left = b0 + nb - t0, tb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 fns[tb / 2](info, g, zsv, x + t0 * task->ldx, task->ldx, part,
                             task->xs + t0 * task->ldxs + g, task->ldxs, p, acc + (t0 - b0) * ldp, ldp);
                 t0 += tb;
@@ -963,7 +964,7 @@ static int aq_takes(const ColiFfnMat *m) {
 /* Units (vectors or segments) per panel: a few tokens, the whole range
  * (whole stored rows stream in order: narrower panels measured slower
  * cold); more, 512 outputs, so that a group's rows of the panel stay in
- * cache while every block of two tokens runs over them. */
+ * cache while every block of four tokens runs over them. */
 static int64_t gx_panel(const GxInfo *q, int tokens) {
     int64_t u = tokens <= 2 ? q->nv : 512 / (q->awq ? 128 : 16);
     return u > q->nv ? q->nv : u;
