@@ -19,10 +19,10 @@ For each format, one memory limit from one formula: the non-expert weights,
 plus a cache of a quarter of the routed experts (both as the checkpoint
 stores them), plus a fixed allowance for the runtime (``--overhead-mb``).
 In ``--rounds`` rounds, with all configurations in a shuffled order each
-round, each decodes the same continuation of the same prompt (token ids
-drawn at random; 256 of them, ``--prompt-len``), one token a step, and records its greedy prediction at
-each step, at each of ``--threads`` thread counts (the same for every
-engine):
+round, each decodes the same continuation of the same prompt (256 token
+ids drawn at random, ``--prompt-len``), one token a step, and records its
+greedy prediction at each step, at each of ``--threads`` thread counts (the
+same for every engine):
 
     (a) transformers in RAM    stock transformers, everything loaded: a ceiling
                                (bf16; 4bit only when its dequantized bf16 fits)
@@ -115,7 +115,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import _llama  # noqa: E402
 from _common import drop_caches  # noqa: E402
-from _prefill import GOAL as PREFILL_GOAL, PROMPT_TOKENS, TouchedExperts, direct_read_time, prefill_ratio  # noqa: E402
+from _prefill import GOAL as PREFILL_GOAL, PROMPT_TOKENS, TouchedExperts  # noqa: E402
+from _prefill import direct_read_time, prefill_ratio  # noqa: E402
 
 DEFAULT_JSON = HERE / "results" / "generate.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -1081,7 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
                         | {"sizes": {k: v for k, v in pairs[f]["sizes"].items() if k != "experts_per_layer"}}
                         for f in formats},
             "threads": threads, "plan": plan, "notes": notes, "llama_cpp": _llama.installed(),
-            "rounds": rounds, "prefill_reads": reads, "prefill": prefill, "compute_ratio": per_round_ratio, "decode_sim": sim,
+            "rounds": rounds, "prefill_reads": reads, "prefill": prefill, "compute_ratio": per_round_ratio,
+            "decode_sim": sim,
             "goals": [dict(goal=g[0], value=g[1], target=g[2], met=g[3]) for g in goals],
             "elapsed_s": elapsed, "unix_time": time.time(), "colibri": colibri_origin(),
         }
