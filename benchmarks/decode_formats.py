@@ -14,8 +14,11 @@ is written five ways under /tmp:
     awq    the same as AWQ GEMM modules (qweight, qzeros, F16 scales), with zero points
 
 A token-by-token decode leases each layer's top-k experts (routing from a
-seeded Zipf trace, the same for every format), dequantizes them with
-colibri.dequantize and computes the SwiGLU expert in numpy. Cold: every
+seeded Zipf trace, the same for every format) and computes them with
+colibri's native kernels straight from the slots, one call per layer,
+on bfloat16 activations as colibri.hf runs a bfloat16 model (--activations
+f32: float32 ones; --compute numpy: colibri.dequantize, then float32
+matmuls). Cold: every
 configuration opens a fresh store with O_DIRECT reads (direct_io=True), so
 nothing is served from the page cache, and the cache (--slots per layer)
 is smaller than a layer's experts. With PILOT: the real colibri.Pilot
@@ -23,7 +26,7 @@ prefetches the next layer's experts from a prediction that keeps each true
 expert with probability --p (routers are unit vectors, as in decode_sim).
 
 Reported per format and prefetch mode: MB read per token, I/O wait per
-token (time inside lease_many), compute per token (dequantize + matmuls),
+token (time inside lease_many), compute per token (the kernels' call),
 tokens/s, and the ratios to bf16 within the same round. Configurations run
 in --rounds rounds, shuffled per round; the median of the per-round values
 and ratios is printed.
@@ -31,9 +34,8 @@ and ratios is printed.
 The bytes are split, because with PILOT the total is not like for like.
 Each format gets the same guesses (the same seeded draws), but a wrong
 guess costs bytes only if its read ran before Pilot.observe retired it, and
-that depends on timing: a 4-bit read is four times shorter and the numpy
-engine dequantizing 4-bit experts is slower, so its wrong guesses are read
-in full where bf16's are often still queued. Per layer, a cold load's bytes
+that depends on timing: a 4-bit read is four times shorter, so its wrong
+guesses are more often read in full where bf16's are still queued. Per layer, a cold load's bytes
 are measured first (every expert leased once, O_DIRECT: the parts plus
 alignment and in-run gaps); then
 
@@ -51,7 +53,7 @@ without prefetch, and with PILOT for the demand bytes and the issued bytes.
 The MB read with PILOT, and how much of each format's wrong guesses was
 read, are printed after the table.
 
-    python benchmarks/decode_formats.py            # about 3 min on 2 cores
+    python benchmarks/decode_formats.py            # about 2 min on 2 cores
     python benchmarks/decode_formats.py --quick    # smoke run
 """
 
@@ -243,13 +245,15 @@ def cold_load_bytes(path: Path) -> dict[int, float]:
     return out
 
 
-def experts_out(leases: Any, h: np.ndarray, compute: str, threads: int) -> np.ndarray:
+def experts_out(leases: Any, h: np.ndarray, compute: str, threads: int, activations: str) -> np.ndarray:
     """The sum of the leased experts applied to h (1, hidden): one native
-    kernel call for the group, or (numpy) each expert dequantized and
-    multiplied, as colibri's engines did before the kernels."""
+    kernel call for the group (its activations in ``activations``: bf16 as
+    colibri.hf runs a bfloat16 model, or f32), or (numpy) each expert
+    dequantized and multiplied, as colibri's engines did before the kernels."""
     if compute == "native":
-        xs = np.repeat(h, len(leases), axis=0)
-        return leases.ffn(xs, [1] * len(leases), threads=threads).sum(axis=0, keepdims=True)
+        xs = np.repeat(h, len(leases), axis=0).astype(BF16 if activations == "bf16" else np.float32)
+        y = leases.ffn(xs, [1] * len(leases), threads=threads)
+        return y.astype(np.float32).sum(axis=0, keepdims=True)
     y = np.zeros_like(h)
     for ex in leases:
         w = colibri.dequantize(ex)
@@ -274,7 +278,7 @@ def open_for(path: Path, experts: int, *, slots: int, warm: bool, workers: int) 
 
 
 def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: float | None,
-           warm: bool, compute: str, threads: int, hidden: int, experts: int, seed: int,
+           warm: bool, compute: str, threads: int, activations: str, hidden: int, experts: int, seed: int,
            load_bytes: dict[int, float]) -> dict[str, float]:
     layers = len(trace[0])
     top_k = len(trace[0][0])
@@ -306,7 +310,7 @@ def decode(path: Path, trace: list[list[list[int]]], *, slots: int, pilot_p: flo
                         for rank, e in enumerate(guess):
                             hint[0, e] = max(hint[0, e], 2.0 - 0.1 * rank)
                         pilot.predict_next(layer, hint)
-                    y = experts_out(leases, h, compute, threads)
+                    y = experts_out(leases, h, compute, threads, activations)
                     compute_s += time.perf_counter() - t1
                 h = h + 0.01 * y
         total = time.perf_counter() - start
@@ -374,8 +378,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--group", type=int, default=128, help="int4, GPTQ and AWQ group size")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=24)
@@ -388,6 +392,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the experts' compute: colibri's kernels from the slots, or numpy on "
                          "colibri.dequantize (the engines' path before the kernels)")
     ap.add_argument("--threads", type=int, default=1, help="kernel threads (native compute)")
+    ap.add_argument("--activations", choices=("bf16", "f32"), default="bf16",
+                    help="the kernels' activations at decode (native compute): bf16, as colibri.hf "
+                         "runs a bfloat16 model, or f32")
     ap.add_argument("--dir", default=None, help="where to write the models (default: a temp dir in /tmp)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = ap.parse_args(argv)
@@ -430,6 +437,7 @@ def run_rounds(args: argparse.Namespace, paths: dict[str, Path], modes: dict[str
             mode = modes[what]
             done[(fmt, what)] = decode(paths[fmt], trace, slots=args.slots, pilot_p=mode["p"],
                                        warm=mode["warm"], compute=args.compute, threads=args.threads,
+                                       activations=args.activations,
                                        hidden=args.hidden, experts=args.experts, seed=args.seed + r,
                                        load_bytes=load_bytes[fmt])
         for fmt, mode in configs:
@@ -530,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         results, ratios, prefills = run_rounds(args, paths, modes, load_bytes)
         configs = [(f, m) for f in FORMATS for m in modes]
         rows = decode_rows(configs, modes, results, ratios)
-        print(table(f"decode ({args.compute} compute, {args.threads} thread(s)), {args.layers} layers x "
+        print(table(f"decode ({args.compute} compute, {args.activations} activations, {args.threads} thread(s)), {args.layers} layers x "
                     f"{args.experts} experts, top-{args.top_k}, {args.slots} slots/layer cold (O_DIRECT), "
                     f"H={args.hidden} I={args.intermediate}, median of {args.rounds} rounds",
                     ("format / mode", "MB read/token", "x bf16", "demand MB", "x bf16",

@@ -19,10 +19,10 @@ For each format, one memory limit from one formula: the non-expert weights,
 plus a cache of a quarter of the routed experts (both as the checkpoint
 stores them), plus a fixed allowance for the runtime (``--overhead-mb``).
 In ``--rounds`` rounds, with all configurations in a shuffled order each
-round, each decodes the same continuation of the same prompt (token ids
-drawn at random), one token a step, and records its greedy prediction at
-each step, at each of ``--threads`` thread counts (the same for every
-engine):
+round, each decodes the same continuation of the same prompt (256 token
+ids drawn at random, ``--prompt-len``), one token a step, and records its
+greedy prediction at each step, at each of ``--threads`` thread counts (the
+same for every engine):
 
     (a) transformers in RAM    stock transformers, everything loaded: a ceiling
                                (bf16; 4bit only when its dequantized bf16 fits)
@@ -53,7 +53,17 @@ page faults on mmap and readahead included); the cgroup's peak memory; for
 colibri the I/O wait share (time inside the store's ``lease``/``lease_many``
 over the decode time), hit rate and store MB per token; for (b) the time in
 accelerate's hooks. Ratios are taken within a round; medians over rounds are
-reported. The greedy predictions are compared with (a)'s (else (c)'s) step by
+reported.
+
+Prefill at the limit: each colibri run records which experts its prompt's
+routing chose (a ``Runtime.routing`` hook, for the prompt's forward only).
+After each round, the parent reads every expert the round's (c) and (d)
+runs touched with O_DIRECT (``_prefill.direct_read_time``, after a drop of
+the page cache), and takes for (c) and (d) the ratio of their prefill to the
+larger of that read time and the in-RAM prefill of the same round and
+threads ((a); (h) where (a) is not run, as for the full 4bit model).
+
+The greedy predictions are compared with (a)'s (else (c)'s) step by
 step. (The continuation is fixed rather than the model's own greedy output:
 greedy decoding of these random models falls into a two-token loop within a
 few steps, which would repeat the same experts and make every cache look
@@ -67,7 +77,9 @@ simulation's.
 
 Goals, as ratios within a round, per format and thread count: (d) >= 1.5x
 the faster of (e) and (f); (h) >= 0.8x (g); on bf16 (d) >= 10x (b); (d)
-faster than (c); (d)'s I/O wait share no worse than decode_sim's PILOT w=2.
+faster than (c); (d)'s I/O wait share no worse than decode_sim's PILOT w=2;
+(c) and (d)'s prefill at most 1.3x the larger of the in-RAM prefill and the
+O_DIRECT read of the prompt's experts.
 
 Needs root (cgroups, drop_caches, readahead) and a cgroup-v1 memory
 controller; ``--no-limit`` runs without them (then nothing is cold). The
@@ -103,6 +115,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import _llama  # noqa: E402
 from _common import drop_caches  # noqa: E402
+from _prefill import GOAL as PREFILL_GOAL, PROMPT_TOKENS, TouchedExperts  # noqa: E402
+from _prefill import direct_read_time, prefill_ratio  # noqa: E402
 
 DEFAULT_JSON = HERE / "results" / "generate.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -433,6 +447,25 @@ def run_child(run: dict[str, Any], pair: dict[str, Any], args: argparse.Namespac
 # the child: one configuration
 
 
+def record_touched(runtime: Any) -> Callable[[], dict[int, set[int]]]:
+    """Records the experts the next forward's routing chooses (the prompt's),
+    after any routing hook already set. The returned call stops recording
+    (the decode steps' routing is not wanted, nor its cost) and gives them."""
+    touched = TouchedExperts(min_tokens=1)
+    before = runtime.routing
+
+    def both(layer: int, index: Any, weights: Any) -> None:
+        before(layer, index, weights)
+        touched(layer, index, weights)
+
+    runtime.routing = touched if before is None else both
+
+    def done() -> dict[int, set[int]]:
+        runtime.routing = before
+        return touched.experts
+    return done
+
+
 def read_bytes() -> int:
     """Bytes this process has made the disk read (/proc/self/io), page faults and readahead included."""
     with open("/proc/self/io") as f:
@@ -479,6 +512,7 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
     waited = [0.0]
     store = None
     runtime = None
+    touched: Callable[[], dict[int, set[int]]] | None = None
     extra: dict[str, Any] = {}
 
     def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -526,6 +560,7 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
         # in microseconds).
         store.lease_many = timed(store.lease_many)  # type: ignore[method-assign]
         store.lease = timed(store.lease)  # type: ignore[method-assign]
+        touched = record_touched(colibri.hf.runtime_of(model))
     model.eval()
     t_load = time.perf_counter() - t0
 
@@ -538,6 +573,8 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
         def put(self, value: Any) -> None:
             stats.append(store.stats().as_dict() if store is not None else None)
             marks.append((time.perf_counter(), waited[0], read_bytes()))
+            if len(marks) == 2 and touched is not None:     # the prompt's forward is done
+                extra["touched_experts"] = {str(layer): sorted(e) for layer, e in sorted(touched().items())}
 
         def end(self) -> None:
             pass
@@ -646,6 +683,63 @@ def differences(a: list[int], b: list[int]) -> list[int]:
     return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
 
 
+def measure_reads(this: dict[str, dict[str, Any]], pairs: dict[str, dict[str, Any]],
+                  args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Per format, the time to read every expert the round's colibri runs
+    under the limit ((c), (d)) touched in their prefill, with O_DIRECT after
+    a drop of the page cache (as before every run): the read figure of the
+    prefill ratio. The union over those runs (their routing agrees up to ties
+    in bf16 arithmetic)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f, pair in pairs.items():
+        experts: dict[int, set[int]] = {}
+        for r in this.values():
+            if r["fmt"] == f and r["config"] in "cd" and r["ok"] and "touched_experts" in r:
+                for layer, es in r["touched_experts"].items():
+                    experts.setdefault(int(layer), set()).update(es)
+        if not experts:
+            continue
+        cold = drop_caches() if not args.no_limit else False
+        bound = direct_read_time(pair["hf"], experts)
+        out[f] = {"seconds": bound.seconds, "bytes": bound.bytes, "experts": bound.experts,
+                  "direct": bound.direct, "cold": cold}
+        print(f"  O_DIRECT read, {f}: the {bound.experts} experts the prompt touched "
+              f"({bound.experts / (pair['n_experts'] * len(pair['sizes']['layers'])):.0%} of them), "
+              f"{bound.bytes / MB:.0f} MB in {bound.seconds:.2f} s ({bound.mb_per_s:.0f} MB/s"
+              + ("" if bound.direct else ", O_DIRECT refused: through the page cache") + ")", flush=True)
+    return out
+
+
+def prefill_rows(formats: list[str], threads: list[int], runs: list[dict[str, Any]],
+                 rounds: list[dict[str, dict[str, Any]]],
+                 reads: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each colibri configuration under the limit: its prefill, the in-RAM
+    prefill of the same round and threads ((a), else (h) when (a) is not run),
+    the round's O_DIRECT read of the prompt's experts, and their
+    :func:`prefill_ratio`, per round that has all three."""
+    planned = {run_key(r) for r in runs}
+    rows = []
+    for f in formats:
+        for t in threads:
+            key = {c: run_key({"fmt": f, "threads": t, "config": c}) for c in "ahcd"}
+            ram = next((c for c in "ah" if key[c] in planned), None)
+            for c in "cd":
+                if key[c] not in planned or ram is None:
+                    continue
+                row: dict[str, Any] = {"run": key[c], "label": f"{f} {t}t {CONFIGS[c]}", "in_ram": f"({ram})",
+                                       "colibri_s": [], "in_ram_s": [], "read_s": [], "ratios": []}
+                for this, read in zip(rounds, reads):
+                    mine, ref = this.get(key[c]), this.get(key[ram])
+                    if not (mine and mine["ok"] and ref and ref["ok"] and f in read):
+                        continue
+                    row["colibri_s"].append(mine["prefill_s"])
+                    row["in_ram_s"].append(ref["prefill_s"])
+                    row["read_s"].append(read[f]["seconds"])
+                    row["ratios"].append(prefill_ratio(mine["prefill_s"], ref["prefill_s"], read[f]["seconds"]))
+                rows.append(row)
+    return rows
+
+
 def plan_runs(formats: list[str], configs: str, threads: list[int], quants: list[str],
               pairs: dict[str, dict[str, Any]], fits_4bit_a: bool) -> list[dict[str, Any]]:
     runs = []
@@ -680,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=None, help="colibri slots per layer (default: experts / 4)")
     ap.add_argument("--tokens", type=int, default=24, help="new tokens, but for (b)")
     ap.add_argument("--tokens-offload", type=int, default=6, help="new tokens for (b)")
-    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_TOKENS,
+                    help="prompt tokens (default: the prefill goal's, also with --quick)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="".join(CONFIGS), help="which configurations to run (letters)")
     ap.add_argument("--overhead-mb", type=int, default=1024,
@@ -718,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child, args.child_out, args.offload_folder, json.loads(args.child_plan))
         return 0
 
+    if args.prompt_len < 2:
+        ap.error("--prompt-len: at least 2 tokens (a prefill, not a decode step)")
     if args.quick:
         args.tokens = min(args.tokens, 8)
         args.tokens_offload = min(args.tokens_offload, 4)
@@ -805,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan_runs(formats, configs, threads, quants, pairs, fits_4bit_a)
         results: dict[str, list[dict[str, Any]]] = {run_key(r): [] for r in runs}
         rounds: list[dict[str, dict[str, Any]]] = []
+        reads: list[dict[str, dict[str, Any]]] = []    # per round, per format: the O_DIRECT read bound
         for rnd in range(args.rounds):
             order = runs[:]
             rng.shuffle(order)
@@ -829,6 +927,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     print(f"{head} FAILED: {r['error']}\n    " + "\n    ".join(r["log_tail"]), flush=True)
             rounds.append(this)
+            reads.append(measure_reads(this, pairs, args))
             print(f"round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.0f} s", flush=True)
 
         def ok(key: str) -> list[dict[str, Any]]:
@@ -903,6 +1002,18 @@ def main(argv: list[str] | None = None) -> int:
         for n in token_notes:
             print("  " + n)
 
+        prefill = prefill_rows(formats, threads, runs, rounds, reads)
+        if prefill:
+            print(f"\nprefill at the limit, {args.prompt_len}-token prompt: colibri's prefill / the larger of the "
+                  f"in-RAM prefill (a) (else (h)) and the O_DIRECT read of every expert the prompt touched, "
+                  f"within a round; medians of {args.rounds} round(s)")
+            print_table(("configuration", "colibri prefill s", "in-RAM prefill s", "O_DIRECT read s", "ratio",
+                         "rounds"),
+                        [(p["label"], fmt(med(p["colibri_s"]), ".2f"),
+                          fmt(med(p["in_ram_s"]), ".2f") + f" {p['in_ram']}", fmt(med(p["read_s"]), ".2f"),
+                          fmt(med(p["ratios"]), ".2f", "x"), ", ".join(f"{x:.2f}" for x in p["ratios"]))
+                         for p in prefill])
+
         # compute ratio of the colibri engine, as decode_sim defines it (bf16, the first thread count)
         per_round_ratio = []
         c_key = key("bf16", threads[0], "c")
@@ -946,6 +1057,10 @@ def main(argv: list[str] | None = None) -> int:
                     goal(f"{f} {t}t (d) / (b)", v, ">= 10x", med(v) >= 10, ".1f")
                 if (v := ratio(d, key(f, t, "c"))):
                     goal(f"{f} {t}t (d) / (c)", v, "> 1x", med(v) > 1)
+        for p in prefill:
+            if p["ratios"]:
+                goal(f"{p['label']} prefill / max(in RAM, O_DIRECT read)", p["ratios"], f"<= {PREFILL_GOAL}x",
+                     med(p["ratios"]) <= PREFILL_GOAL)
         if d_runs and sim.get("ok"):
             dw = med([r["io_wait_share"] for r in d_runs])
             goals.append((f"bf16 {threads[0]}t (d) I/O wait vs decode_sim",
@@ -967,7 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
                         | {"sizes": {k: v for k, v in pairs[f]["sizes"].items() if k != "experts_per_layer"}}
                         for f in formats},
             "threads": threads, "plan": plan, "notes": notes, "llama_cpp": _llama.installed(),
-            "rounds": rounds, "compute_ratio": per_round_ratio, "decode_sim": sim,
+            "rounds": rounds, "prefill_reads": reads, "prefill": prefill, "compute_ratio": per_round_ratio,
+            "decode_sim": sim,
             "goals": [dict(goal=g[0], value=g[1], target=g[2], met=g[3]) for g in goals],
             "elapsed_s": elapsed, "unix_time": time.time(), "colibri": colibri_origin(),
         }

@@ -157,3 +157,67 @@ def test_runs_pair_each_format_with_its_engines():
     assert sum(k.startswith("4bit/1t/") for k in keys) == 3 + 3 * 2   # c d h, and e f g per quant
     assert generate.differences([1, 2, 3], [1, 2, 3]) == []
     assert generate.differences([1, 5, 3, 7], [1, 2, 4]) == [1, 2]
+
+
+def test_the_prompts_experts_are_recorded_after_a_routing_hook_already_set():
+    generate = _generate_module()
+    seen = []
+
+    class Runtime:
+        routing = staticmethod(lambda layer, index, weights: seen.append(layer))
+
+    runtime = Runtime()
+    before = runtime.routing
+    done = generate.record_touched(runtime)
+    runtime.routing(2, np.array([[4, 1], [1, 6]]), np.ones((2, 2), np.float32))
+    runtime.routing(5, np.array([[3, 0]]), np.ones((1, 2), np.float32))   # a prompt of one token counts
+    assert done() == {2: {1, 4, 6}, 5: {0, 3}}
+    assert seen == [2, 5]                        # the earlier hook still saw every layer
+    assert runtime.routing is before             # and is back for the decode steps
+
+
+def _round(prefill: dict[str, float]) -> dict[str, dict]:
+    return {k: {"ok": True, "prefill_s": s} for k, s in prefill.items()}
+
+
+def test_prefill_ratio_against_the_in_ram_run_of_the_same_round():
+    """(c) and (d) against the larger of (a) (else (h)) and the round's read, round by round;
+    a round without the read or the reference gives no ratio."""
+    generate = _generate_module()
+    pairs = {"bf16": {"gguf": {}}, "4bit": {"gguf": {}}}
+    runs = generate.plan_runs(["bf16", "4bit"], "acdh", [1], [], pairs, False)   # 4bit: no (a)
+    rounds = [_round({"bf16/1t/a": 2.0, "bf16/1t/c": 3.0, "bf16/1t/d": 2.2, "bf16/1t/h": 9.0,
+                      "4bit/1t/c": 1.5, "4bit/1t/d": 1.2, "4bit/1t/h": 0.5}),
+              _round({"bf16/1t/a": 1.0, "bf16/1t/c": 4.0, "bf16/1t/d": 2.0, "4bit/1t/c": 1.0,
+                      "4bit/1t/d": 1.0, "4bit/1t/h": 0.4}),
+              _round({"bf16/1t/a": 1.0, "bf16/1t/c": 4.0, "bf16/1t/d": 2.0})]
+    rounds[2]["bf16/1t/a"]["ok"] = False
+    reads = [{"bf16": {"seconds": 1.0}, "4bit": {"seconds": 1.0}},
+             {"bf16": {"seconds": 2.0}},
+             {"bf16": {"seconds": 1.0}}]
+    rows = {r["run"]: r for r in generate.prefill_rows(["bf16", "4bit"], [1], runs, rounds, reads)}
+    assert set(rows) == {"bf16/1t/c", "bf16/1t/d", "4bit/1t/c", "4bit/1t/d"}
+    assert rows["bf16/1t/c"]["in_ram"] == "(a)" and rows["4bit/1t/c"]["in_ram"] == "(h)"
+    assert rows["bf16/1t/c"]["ratios"] == pytest.approx([1.5, 2.0])      # 3 / max(2, 1), 4 / max(1, 2)
+    assert rows["bf16/1t/d"]["ratios"] == pytest.approx([1.1, 1.0])
+    assert rows["bf16/1t/d"]["read_s"] == [1.0, 2.0] and rows["bf16/1t/d"]["in_ram_s"] == [2.0, 1.0]
+    assert rows["4bit/1t/c"]["ratios"] == pytest.approx([1.5])           # round 2 has no 4bit read
+    assert rows["4bit/1t/d"]["colibri_s"] == [1.2]
+
+
+def test_the_read_covers_the_experts_the_rounds_colibri_runs_touched(tmp_path):
+    """The union over (c) and (d) of one format, nothing of (a) or another format."""
+    import argparse
+
+    generate = _generate_module()
+    model = write_synthetic_model(tmp_path / "m", layout="mixtral", n_layers=3, n_experts=4, hidden=64,
+                                  intermediate=32, dtype="bfloat16")
+    this = {"bf16/1t/c": {"fmt": "bf16", "config": "c", "ok": True, "touched_experts": {"0": [1], "2": [0, 3]}},
+            "bf16/1t/d": {"fmt": "bf16", "config": "d", "ok": True, "touched_experts": {"0": [1, 2]}},
+            "bf16/1t/a": {"fmt": "bf16", "config": "a", "ok": True},
+            "4bit/1t/c": {"fmt": "4bit", "config": "c", "ok": False}}
+    pairs = {f: {"hf": str(model.path), "n_experts": 4, "sizes": {"layers": [0, 1, 2]}} for f in ("bf16", "4bit")}
+    reads = generate.measure_reads(this, pairs, argparse.Namespace(no_limit=True))
+    assert set(reads) == {"bf16"}
+    assert reads["bf16"]["experts"] == 4 and not reads["bf16"]["cold"]
+    assert reads["bf16"]["bytes"] >= 4 * model.expert_nbytes and reads["bf16"]["seconds"] > 0

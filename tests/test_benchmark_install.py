@@ -39,14 +39,14 @@ pytest.importorskip("transformers")
 SMOKE = ["--quick", "--no-limit", "--configs", "acd"]
 
 
-def _run_generate(python: str, checkout: Path, workdir: Path) -> dict:
+def _run_generate(python: str, checkout: Path, workdir: Path) -> tuple[dict, str]:
     out = workdir / "generate.json"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([python, str(checkout / "benchmarks" / "generate.py"), *SMOKE,
                            "--workdir", str(workdir), "--json", str(out)],
                           cwd=str(workdir), env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
 
 
 def _imported_from(result: dict) -> set[str]:
@@ -61,11 +61,34 @@ def _imported_from(result: dict) -> set[str]:
     return found
 
 
+def _check_prefill(result: dict, stdout: str) -> None:
+    """The prefill ratio of each colibri configuration, from the 256-token prompt's touched experts
+    read with O_DIRECT, printed as a table row and a goal line."""
+    assert result["args"]["prompt_len"] == 256
+    (reads,) = result["prefill_reads"]
+    for fmt in ("bf16", "4bit"):
+        assert reads[fmt]["experts"] > 0 and reads[fmt]["bytes"] > 0 and reads[fmt]["seconds"] > 0
+        for config in "cd":
+            touched = result["rounds"][0][f"{fmt}/1t/{config}"]["touched_experts"]
+            assert sum(map(len, touched.values())) <= reads[fmt]["experts"]
+    rows = {p["label"]: p for p in result["prefill"]}
+    assert set(rows) == {f"{fmt} 1t {name}" for fmt in ("bf16", "4bit")
+                         for name in ("(c) colibri, no prefetch", "(d) colibri + PILOT")}
+    assert "prefill at the limit, 256-token prompt" in stdout
+    goals = {g["goal"] for g in result["goals"]}
+    for label, p in rows.items():
+        (ratio,) = p["ratios"]
+        assert ratio == pytest.approx(p["colibri_s"][0] / max(p["in_ram_s"][0], p["read_s"][0]))
+        assert any(line.startswith(label) and line.split()[-2] == f"{ratio:.2f}x" for line in stdout.splitlines())
+        assert f"{label} prefill / max(in RAM, O_DIRECT read)" in goals
+
+
 def test_generate_quick_from_the_test_environment(tmp_path: Path) -> None:
     import colibri
 
-    result = _run_generate(sys.executable, ROOT, tmp_path)
+    result, stdout = _run_generate(sys.executable, ROOT, tmp_path)
     assert _imported_from(result) == {str(Path(colibri.__file__).resolve())}
+    _check_prefill(result, stdout)
 
 
 def _copy_tree(dst: Path) -> None:
@@ -91,6 +114,6 @@ def test_generate_quick_from_a_plain_install(tmp_path: Path) -> None:
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     assert not list((src / "colibri").glob("*.so"))   # the checkout stays uncompiled
 
-    result = _run_generate(python, src, tmp_path)
+    result, _ = _run_generate(python, src, tmp_path)
     installed = purelib / "colibri" / "__init__.py"
     assert _imported_from(result) == {str(installed)}
