@@ -837,10 +837,9 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
         if (a->nv <= 4) { /* a panel of many tokens: segment by segment, its 8 sums    \
                            * in registers over the group's rows (in cache after the     \
                            * first tokens): the same terms in the same order */         \
-            /* the next group's rows of the panel into L2, while this one works */       \
-            for (int64_t k = k1; k < k1 + (k1 - k0) && k < m->n_in; k++)                     \
-                for (int64_t seg = 0; seg < a->nv; seg++)                                    \
-                    _mm_prefetch((const char *)m->data + k * rs + a->c0 / 2 + 64 * seg, _MM_HINT_T2); \
+            /* the next group's rows of the panel into L2 while this one works,   \
+             * a row's at a time (a burst of them stalls the loads) */                   \
+            const int64_t next = (k1 - k0) * rs, kn = m->n_in - (k1 - k0);                  \
             /* VP vectors of a segment per pass over the rows: all 8 for two     \
              * tokens, U_0's 4 then U_1's for four (registers) */                \
             enum { VP = TB > 2 ? 4 : 8 };                                                    \
@@ -852,6 +851,10 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
                         UNROLL for (int t = 0; t < TB; t++) s8[n][t] = _mm512_setzero_ps();  \
                     for (int64_t k = k0; k < k1; k += 2) {                                   \
                         const uint8_t *ra = m->data + k * rs + a->c0 / 2 + 64 * seg;         \
+                        if (n0 == 0 && k < kn) {                                             \
+                            _mm_prefetch((const char *)ra + next, _MM_HINT_T1);              \
+                            if (k + 1 < kn) _mm_prefetch((const char *)ra + rs + next, _MM_HINT_T1); \
+                        }                                                                    \
                         __m512i A = _mm512_maskz_loadu_epi32(lanes, ra);                     \
                         __m512i B = _mm512_maskz_loadu_epi32(k + 1 < k1 ? lanes : 0, ra + rs); \
                         __m512i U[2] = {_mm512_unpacklo_epi16(A, B), _mm512_unpackhi_epi16(A, B)}; \
