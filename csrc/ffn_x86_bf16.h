@@ -973,18 +973,21 @@ static int64_t gx_panel(const GxInfo *q, int tokens) {
     return u > q->nv ? q->nv : u;
 }
 
+/* Rows of p: the largest block of tokens a call runs (two at least). */
+static int64_t gx_p_rows(int tokens) { return tokens > 2 ? GX_TB : 2; }
+
 static size_t gx_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
     GxInfo q = gx_info(m, n0, n1);
     int64_t ldp = (q.awq ? 128 : 16) * gx_panel(&q, tokens);  /* the floats of a panel's sum vectors */
     int nb = tokens < GX_TOKENS ? tokens : GX_TOKENS;  /* p, acc, the params */
-    return sizeof(float) * (size_t)((GX_TB + nb + 2) * ldp);
+    return sizeof(float) * (size_t)((gx_p_rows(tokens) + nb + 2) * ldp);
 }
 
 BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     GxInfo q = gx_info(m, n0, n1);
     int64_t pu = gx_panel(&q, task->tokens), width = q.awq ? 128 : 16, ldp = width * pu;
     int64_t part = ns == 2 ? task->ldx / 2 : 0;
-    float *p = (float *)task->scratch;
+    float *p = (float *)task->scratch, *acc = p + gx_p_rows(task->tokens) * ldp;
     for (int64_t u0 = 0; u0 < q.nv; u0 += pu) {
         GxInfo qp = q;  /* the panel */
         qp.c0 = n0 + width * u0;
@@ -993,8 +996,7 @@ BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const Coli
         qp.nv = (qp.n + width - 1) / width;
         gx_tokens(&qp, q.awq ? AQ_GROUPS[ns - 1] : GQ_GROUPS[ns - 1],
                   q.awq ? aq_group_params : gq_group_params, q.awq ? aq_store : gq_store, m->groups,
-                  task, part, p, p + GX_TB * ldp, ldp,
-                  p + (GX_TB + (task->tokens < GX_TOKENS ? task->tokens : GX_TOKENS)) * ldp);
+                  task, part, p, acc, ldp, acc + (task->tokens < GX_TOKENS ? task->tokens : GX_TOKENS) * ldp);
     }
 }
 
