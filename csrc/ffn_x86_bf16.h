@@ -661,10 +661,10 @@ BF16 static void gq_group_params(const void *info, int64_t g, float *zsv) {
         const int64_t v1 = q->nv;                                                            \
         const int64_t rs = m->n_out * 4;                                                     \
         const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
+        int64_t r1 = (g + 1) * q->wpg;                                                       \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(16 * v1)); \
         /* Two word rows per pass over p; a row past the group is zeros (its
          * terms add exact zeros). */                                                      \
-        int64_t r1 = (g + 1) * q->wpg;                                                       \
         for (int64_t r = g * q->wpg; r < r1; r += 2) {                                       \
             const uint8_t *row[2];                                                           \
             __mmask16 use[2];                                                                \
@@ -709,17 +709,21 @@ GQ_GROUP(1, 1)
 GQ_GROUP(2, 1)
 GQ_GROUP(1, 2)
 GQ_GROUP(2, 2)
+GQ_GROUP(4, 1)
+GQ_GROUP(4, 2)
 #undef GQ_GROUP
 
-static const GxGroupFn GQ_GROUPS[2][2] = {{gq_group_1_1, gq_group_2_1}, {gq_group_1_2, gq_group_2_2}};
+static const GxGroupFn GQ_GROUPS[2][3] = {{gq_group_1_1, gq_group_2_1, gq_group_4_1},
+                                          {gq_group_1_2, gq_group_2_2, gq_group_4_2}};
 
 /* Tokens of a panel at a time beyond two tokens (their sums in scratch). */
-enum { GX_TOKENS = 32 };
+enum { GX_TOKENS = 32, GX_TB = 4 };  /* GX_TB: the largest block of tokens of a group */
 
 /* Every token of a panel: blocks of up to GX_TOKENS tokens, each group
- * for every two of them (the group's rows of the panel stay in cache), then
- * the results. */
-static void gx_tokens(const void *info, const GxGroupFn fns[2], GxParamsFn params, GxStoreFn store,
+ * for every four of them, then two, then one (the group's rows of the panel
+ * stay in cache; four share each decoded vector: measured faster than two,
+ * and eight spill registers), then the results. */
+static void gx_tokens(const void *info, const GxGroupFn fns[3], GxParamsFn params, GxStoreFn store,
                       int64_t groups, const ColiFfnTask *task, int64_t part, float *p, float *acc,
                       int64_t ldp, float *zsv) {
     const uint16_t *x = (const uint16_t *)task->x;
@@ -729,8 +733,8 @@ static void gx_tokens(const void *info, const GxGroupFn fns[2], GxParamsFn param
         for (int64_t g = 0; g < groups; g++) {
             params(info, g, zsv);
             for (int t0 = b0; t0 < b0 + nb;) {
-                int tb = b0 + nb - t0 >= 2 ? 2 : 1;
-                fns[tb - 1](info, g, zsv, x + t0 * task->ldx, task->ldx, part,
+                int left = b0 + nb - t0, tb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                fns[tb / 2](info, g, zsv, x + t0 * task->ldx, task->ldx, part,
                             task->xs + t0 * task->ldxs + g, task->ldxs, p, acc + (t0 - b0) * ldp, ldp);
                 t0 += tb;
             }
@@ -833,38 +837,47 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
         if (a->nv <= 4) { /* a panel of many tokens: segment by segment, its 8 sums    \
                            * in registers over the group's rows (in cache after the     \
                            * first tokens): the same terms in the same order */         \
-            /* the next group's rows of the panel into L2, while this one works */       \
-            for (int64_t k = k1; k < k1 + (k1 - k0) && k < m->n_in; k++)                     \
-                for (int64_t seg = 0; seg < a->nv; seg++)                                    \
-                    _mm_prefetch((const char *)m->data + k * rs + a->c0 / 2 + 64 * seg, _MM_HINT_T2); \
+            /* the next group's rows of the panel into L2 while this one works,   \
+             * a row's at a time (a burst of them stalls the loads) */                   \
+            const int64_t next = (k1 - k0) * rs, kn = m->n_in - (k1 - k0);                  \
+            /* VP vectors of a segment per pass over the rows: all 8 for two     \
+             * tokens, U_0's 4 then U_1's for four (registers) */                \
+            enum { VP = TB > 2 ? 4 : 8 };                                                    \
             for (int64_t seg = 0; seg < a->nv; seg++) {                                      \
                 __mmask16 lanes = aq_lanes(a, seg);                                          \
-                __m512 s8[8][TB];                                                            \
-                UNROLL for (int n = 0; n < 8; n++)                                           \
-                    UNROLL for (int t = 0; t < TB; t++) s8[n][t] = _mm512_setzero_ps();      \
-                for (int64_t k = k0; k < k1; k += 2) {                                       \
-                    const uint8_t *ra = m->data + k * rs + a->c0 / 2 + 64 * seg;             \
-                    __m512i A = _mm512_maskz_loadu_epi32(lanes, ra);                         \
-                    __m512i B = _mm512_maskz_loadu_epi32(k + 1 < k1 ? lanes : 0, ra + rs);   \
-                    __m512i U[2] = {_mm512_unpacklo_epi16(A, B), _mm512_unpackhi_epi16(A, B)}; \
-                    __m512bh xk[TB][NS];                                                     \
-                    UNROLL for (int t = 0; t < TB; t++)                                      \
-                        UNROLL for (int h = 0; h < NS; h++) {                                \
-                            int32_t pair;                                                    \
-                            memcpy(&pair, x + t * ldx + h * part + k, sizeof pair);          \
-                            xk[t][h] = (__m512bh)_mm512_set1_epi32(pair);                    \
+                UNROLL for (int n0 = 0; n0 < 8; n0 += VP) {                                  \
+                    __m512 s8[VP][TB];                                                       \
+                    UNROLL for (int n = 0; n < VP; n++)                                      \
+                        UNROLL for (int t = 0; t < TB; t++) s8[n][t] = _mm512_setzero_ps();  \
+                    for (int64_t k = k0; k < k1; k += 2) {                                   \
+                        const uint8_t *ra = m->data + k * rs + a->c0 / 2 + 64 * seg;         \
+                        if (n0 == 0 && k < kn) {                                             \
+                            _mm_prefetch((const char *)ra + next, _MM_HINT_T1);              \
+                            if (k + 1 < kn) _mm_prefetch((const char *)ra + rs + next, _MM_HINT_T1); \
                         }                                                                    \
-                    UNROLL for (int n = 0; n < 8; n++) {                                     \
-                        __m512i w = _mm512_ternarylogic_epi32(                               \
-                            _mm512_srli_epi32(U[n / 4], (unsigned)(4 * (n % 4))), lo, bias, 0xea); \
+                        __m512i A = _mm512_maskz_loadu_epi32(lanes, ra);                     \
+                        __m512i B = _mm512_maskz_loadu_epi32(k + 1 < k1 ? lanes : 0, ra + rs); \
+                        __m512i U[2] = {_mm512_unpacklo_epi16(A, B), _mm512_unpackhi_epi16(A, B)}; \
+                        __m512bh xk[TB][NS];                                                 \
                         UNROLL for (int t = 0; t < TB; t++)                                  \
-                            UNROLL for (int h = 0; h < NS; h++)                              \
-                                s8[n][t] = _mm512_dpbf16_ps(s8[n][t], (__m512bh)w, xk[t][h]); \
+                            UNROLL for (int h = 0; h < NS; h++) {                            \
+                                int32_t pair;                                                \
+                                memcpy(&pair, x + t * ldx + h * part + k, sizeof pair);      \
+                                xk[t][h] = (__m512bh)_mm512_set1_epi32(pair);                \
+                            }                                                                \
+                        UNROLL for (int n = 0; n < VP; n++) {                                \
+                            int v = n0 + n;                                                  \
+                            __m512i w = _mm512_ternarylogic_epi32(                           \
+                                _mm512_srli_epi32(U[v / 4], (unsigned)(4 * (v % 4))), lo, bias, 0xea); \
+                            UNROLL for (int t = 0; t < TB; t++)                              \
+                                UNROLL for (int h = 0; h < NS; h++)                          \
+                                    s8[n][t] = _mm512_dpbf16_ps(s8[n][t], (__m512bh)w, xk[t][h]); \
+                        }                                                                    \
                     }                                                                        \
+                    UNROLL for (int n = 0; n < VP; n++)                                      \
+                        UNROLL for (int t = 0; t < TB; t++)                                  \
+                            _mm512_storeu_ps(p + t * ldp + 16 * (8 * seg + n0 + n), s8[n][t]); \
                 }                                                                            \
-                UNROLL for (int n = 0; n < 8; n++)                                           \
-                    UNROLL for (int t = 0; t < TB; t++)                                      \
-                        _mm512_storeu_ps(p + t * ldp + 16 * (8 * seg + n), s8[n][t]);        \
             }                                                                                \
             gx_flush(zsv, 8 * a->nv, TB, xs, ldxs, p, acc, ldp);                             \
             return;                                                                          \
@@ -926,9 +939,12 @@ AQ_GROUP(1, 1)
 AQ_GROUP(2, 1)
 AQ_GROUP(1, 2)
 AQ_GROUP(2, 2)
+AQ_GROUP(4, 1)
+AQ_GROUP(4, 2)
 #undef AQ_GROUP
 
-static const GxGroupFn AQ_GROUPS[2][2] = {{aq_group_1_1, aq_group_2_1}, {aq_group_1_2, aq_group_2_2}};
+static const GxGroupFn AQ_GROUPS[2][3] = {{aq_group_1_1, aq_group_2_1, aq_group_4_1},
+                                          {aq_group_1_2, aq_group_2_2, aq_group_4_2}};
 
 static void aq_store(const void *info, const float *acc, float *dst) {
     const GxInfo *a = info;
@@ -951,24 +967,27 @@ static int aq_takes(const ColiFfnMat *m) {
 /* Units (vectors or segments) per panel: a few tokens, the whole range
  * (whole stored rows stream in order: narrower panels measured slower
  * cold); more, 512 outputs, so that a group's rows of the panel stay in
- * cache while every block of two tokens runs over them. */
+ * cache while every block of four tokens runs over them. */
 static int64_t gx_panel(const GxInfo *q, int tokens) {
     int64_t u = tokens <= 2 ? q->nv : 512 / (q->awq ? 128 : 16);
     return u > q->nv ? q->nv : u;
 }
 
+/* Rows of p: the largest block of tokens a call runs (two at least). */
+static int64_t gx_p_rows(int tokens) { return tokens > 2 ? GX_TB : 2; }
+
 static size_t gx_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
     GxInfo q = gx_info(m, n0, n1);
     int64_t ldp = (q.awq ? 128 : 16) * gx_panel(&q, tokens);  /* the floats of a panel's sum vectors */
     int nb = tokens < GX_TOKENS ? tokens : GX_TOKENS;  /* p, acc, the params */
-    return sizeof(float) * (size_t)((2 + nb + 2) * ldp);
+    return sizeof(float) * (size_t)((gx_p_rows(tokens) + nb + 2) * ldp);
 }
 
 BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     GxInfo q = gx_info(m, n0, n1);
     int64_t pu = gx_panel(&q, task->tokens), width = q.awq ? 128 : 16, ldp = width * pu;
     int64_t part = ns == 2 ? task->ldx / 2 : 0;
-    float *p = (float *)task->scratch;
+    float *p = (float *)task->scratch, *acc = p + gx_p_rows(task->tokens) * ldp;
     for (int64_t u0 = 0; u0 < q.nv; u0 += pu) {
         GxInfo qp = q;  /* the panel */
         qp.c0 = n0 + width * u0;
@@ -977,8 +996,7 @@ BF16 static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const Coli
         qp.nv = (qp.n + width - 1) / width;
         gx_tokens(&qp, q.awq ? AQ_GROUPS[ns - 1] : GQ_GROUPS[ns - 1],
                   q.awq ? aq_group_params : gq_group_params, q.awq ? aq_store : gq_store, m->groups,
-                  task, part, p, p + 2 * ldp, ldp,
-                  p + (2 + (task->tokens < GX_TOKENS ? task->tokens : GX_TOKENS)) * ldp);
+                  task, part, p, acc, ldp, acc + (task->tokens < GX_TOKENS ? task->tokens : GX_TOKENS) * ldp);
     }
 }
 
