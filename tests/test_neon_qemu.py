@@ -1,0 +1,145 @@
+"""The arm64 build of the kernels under qemu-user: the neon path against the
+scalar one, the float64 reference and this machine's scalar path.
+
+tests/c/ffn_cases.c is cross-compiled statically with the product's kernel
+sources and run under qemu-aarch64 on expert descriptions written here (the
+store's own ColiFfnExpert of a lease, its bytes copied): every format of
+colibri.synthetic_formats, odd widths where a format allows them, groups,
+act order, biases, both activations, float32 and bfloat16 calls of 1 to 33
+tokens. Skipped without aarch64-linux-gnu-gcc or qemu-aarch64.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+import build_ffi_loader  # noqa: F401  (puts the project root on sys.path)
+import colibri
+from build_ffi import SOURCES as CORE
+from colibri import kernels
+from colibri._ffi import ffi, lib
+from colibri.synthetic_formats import write_format_checkpoint
+from test_kernels import BF16, BF16_BOUND, F32_BOUND, reference, relative_error
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+# The driver and the product's kernel sources: every path's file and the pool.
+SOURCES = [ROOT / "tests" / "c" / "ffn_cases.c",
+           *(CSRC / s for s in CORE if s.startswith("ffn") or s == "compute_pool.c")]
+BLOB_NULL = 2 ** 64 - 1
+TOKENS = (1, 2, 3, 5, 16, 33)
+
+pytestmark = pytest.mark.skipif(CC is None or QEMU is None,
+                                reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (arm64 under qemu-user)")
+
+# (format, hidden, intermediate, write_format_checkpoint options): odd widths
+# where the format takes any, partial SIMD blocks, groups that do and do not
+# divide the inputs, every GPTQ g_idx kind.
+CHECKPOINTS: list[tuple[str, int, int, dict[str, Any]]] = [
+    *((fmt, 37, 23, {}) for fmt in ("bf16", "f16", "f32", "f8_e4m3", "f8_e5m2", "gpt_oss", "llama4",
+                                   "stacked")),
+    *((fmt, 160, 96, {}) for fmt in ("bf16", "f32", "f8_e4m3", "gpt_oss")),
+    ("fp8_block", 37, 23, {"block": (7, 13)}),
+    ("fp8_block", 160, 96, {"block": (64, 32)}),
+    ("mxfp4", 64, 32, {}),
+    ("mxfp4", 160, 96, {}),
+    *(("int4", h, i, {"group": g, "symmetric": s})
+      for h, i, g in ((40, 24, 8), (96, 64, 32), (160, 96, 16), (256, 128, 128)) for s in (True, False)),
+    ("stacked_int4", 96, 64, {"group": 32, "symmetric": False}),
+    *((fmt, h, i, {"group": g, "g_idx": gi})
+      for fmt in ("gptq", "gptq_v2", "awq") for h, i, g in ((40, 24, 8), (160, 96, 32), (200, 136, 24),
+                                                           (72, 48, -1))
+      for gi in (("act_order", "sorted", None) if fmt != "awq" else (None,))),
+]
+
+
+def _blob(address: Any, size: int) -> bytes:
+    if address == ffi.NULL:
+        return struct.pack("<Q", BLOB_NULL)
+    return struct.pack("<Q", size) + bytes(ffi.buffer(address, size))
+
+
+def _matrix(m: Any) -> bytes:
+    v = m.view
+    head = struct.pack("<iiqqIIII", v.format, v.scale_format, v.rows, v.columns, v.block_rows,
+                       v.block_columns, m.flags, m.bias_format if m.bias != ffi.NULL else 0)
+    return head + b"".join((_blob(v.data, v.data_bytes), _blob(v.scales, v.scale_bytes),
+                            _blob(m.zeros, m.zero_bytes), _blob(m.g_idx, 4 * m.g_idx_count),
+                            _blob(m.bias, m.bias_bytes)))
+
+
+def _case(store: colibri.Store, ex: Any, activation: str, x: np.ndarray) -> bytes:
+    """One case of the driver's file: the store's description of the lease and x."""
+    e = ffi.new("ColiFfnExpert *")
+    err = ffi.new("char[]", 256)
+    rc = lib.coli_store_ffn_expert(store._handle, ffi.cast("ColiExpertView *", ex._view_address),
+                                   kernels.ACTIVATIONS.index(activation), 1.702, 7.0, e, err, 256)
+    assert rc == 0, ffi.string(err)
+    fmt = lib.COLI_TENSOR_BF16 if x.dtype == BF16 else lib.COLI_TENSOR_F32
+    head = struct.pack("<iiiiffqq", e.fused, e.activation, fmt, fmt, e.alpha, e.limit, *x.shape)
+    return head + b"".join(_matrix(getattr(e, r)) for r in ("gate", "up", "down")) + \
+        _blob(ffi.from_buffer(x), x.nbytes)
+
+
+def _calls(ckpt: int) -> Iterator[tuple[int, str, Any]]:
+    """Each checkpoint's calls: every token count, alternating the input type
+    and the activation (offset per checkpoint, so each format sees both)."""
+    for i, tokens in enumerate(TOKENS):
+        yield tokens, kernels.ACTIVATIONS[(i + ckpt) % 2], BF16 if (i // 2 + ckpt) % 2 else np.float32
+
+
+@pytest.fixture(scope="module")
+def arm64_driver(tmp_path_factory: Any) -> Path:
+    exe = tmp_path_factory.mktemp("arm64") / "ffn_cases"
+    assert CC is not None
+    subprocess.run([CC, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O2", "-static", f"-I{CSRC}",
+                    *map(str, SOURCES), "-o", str(exe), "-lpthread", "-lm"],
+                   check=True, capture_output=True, text=True)
+    return exe
+
+
+def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
+    cases, expected = [], []
+    rng = np.random.default_rng(7)
+    for n, (fmt, hidden, inter, options) in enumerate(CHECKPOINTS):
+        with tempfile.TemporaryDirectory() as tmp:
+            write_format_checkpoint(tmp, fmt, hidden=hidden, intermediate=inter, experts=1, seed=n,
+                                    **options)
+            with colibri.open_store(tmp, slots_per_layer=1) as store, store.lease(0, 0) as ex:
+                weights = colibri.dequantize(ex)
+                for tokens, activation, dtype in _calls(n):
+                    x = rng.standard_normal((tokens, hidden)).astype(np.float32).astype(dtype)
+                    here = kernels.expert_ffn(ex, x, activation=activation, isa="scalar")
+                    cases.append(_case(store, ex, activation, x))
+                    expected.append((f"{fmt} {hidden}x{inter} {options} T={tokens} {activation} "
+                                     f"{np.dtype(dtype).name}", dtype, here,
+                                     reference(weights, x, activation)))
+    (tmp_path / "cases").write_bytes(b"CFC1" + struct.pack("<I", len(cases)) + b"".join(cases))
+    assert QEMU is not None
+    proc = subprocess.run([QEMU, str(arm64_driver), str(tmp_path / "cases"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("path neon:"), proc.stdout  # arm64's default is the neon path
+    raw, at = (tmp_path / "out").read_bytes(), 0
+    for name, dtype, here, want in expected:
+        size = here.nbytes
+        batch, pooled, alone, scalar = (np.frombuffer(raw, dtype, here.size, at + k * size).reshape(here.shape)
+                                        for k in range(4))
+        at += 4 * size
+        bound = BF16_BOUND if dtype == BF16 else F32_BOUND
+        # A token's bits do not depend on its batch nor on the threads.
+        assert batch.tobytes() == alone.tobytes(), name
+        assert batch.tobytes() == pooled.tobytes(), name
+        assert relative_error(batch, want) <= bound, name
+        assert relative_error(batch, scalar.astype(np.float64)) <= bound, name
+        assert relative_error(scalar, here.astype(np.float64)) <= bound, name
+    assert at == len(raw)
