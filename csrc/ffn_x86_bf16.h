@@ -534,7 +534,8 @@ static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
 
 /* The scales (and zero points) of rows o .. o + BF_ROWS - 1 into L1: a
  * stream of their own the rows' prefetch does not cover (with groups of
- * 32, a quarter of a row's bytes: measured a quarter of the cold time). */
+ * 32 and bfloat16 scales, an eighth of a row's bytes; left to demand
+ * misses, measured a quarter of a cold expert's time). */
 static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
     const ColiFfnMat *m = q->m;
     if (o >= n1) return;
