@@ -298,9 +298,9 @@ def _operands(x: Any, out: Any, hidden: int, outputs: int | None = None) -> tupl
         out = _new_like(xo, outputs)
     oo = _Operand(out, "out", outputs or hidden, writable=True)
     if oo.torch != xo.torch or oo.tokens != xo.tokens or len(oo.shape) != len(xo.shape):
+        rows = "" if outputs is None else f" but for rows of {outputs} values"
         raise ValueError(f"out ({type(out).__name__} {list(oo.shape)}) must be the same kind and "
-                         f"tokens as x ({type(x).__name__} {list(xo.shape)}), "
-                         f"{outputs or hidden} values per token")
+                         f"shape as x ({type(x).__name__} {list(xo.shape)}){rows}")
     if _overlap(xo, oo):
         raise ValueError("out overlaps x")
     return xo, oo, out
@@ -368,13 +368,34 @@ def linear(weight: PackedWeight, x: Any, *, out: Any = None, threads: int | None
     ``threads`` and ``isa`` as :func:`expert_ffn` (the same compute pools).
     Returns ``out``."""
     n_out, n_in = weight.shape
-    xo, oo, out = _operands(x, out, n_in, n_out)
-    call, pool = _call(xo, oo, threads, isa)
+    code = _torch_rows(x, n_in) if out is None and isa is None else -1
+    if code >= 0:  # a model's forward: checked here in a few attribute reads
+        out = x.new_empty((*x.shape[:-1], n_out))
+        tokens = x.numel() // n_in
+        call = ffi.new("ColiFfnCall *", {
+            "x": ffi.cast("const void *", x.data_ptr()), "x_format": code, "x_stride": n_in,
+            "out": ffi.cast("void *", out.data_ptr()), "out_format": code, "out_stride": n_out,
+            "tokens": tokens, "isa": _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO})
+        pool = _pool(default_threads(True) if threads is None else _check_threads(threads))
+    else:
+        xo, oo, out = _operands(x, out, n_in, n_out)
+        call, pool = _call(xo, oo, threads, isa)
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_linear(weight.matrix(), call, pool, err, _ERR_LEN)
     if rc < 0:
         raise error_for(rc, ffi.string(err).decode(errors="replace"))
     return out
+
+
+def _torch_rows(x: Any, n_in: int) -> int:
+    """The format code of ``x`` when it is a contiguous CPU torch tensor of
+    one or more rows of ``n_in`` float32 or bfloat16 values, else -1."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor) or not x.is_cpu or x.dim() not in (1, 2) \
+            or x.shape[-1] != n_in or not x.numel() or not x.is_contiguous():
+        return -1
+    code: int = _codes("float32", "bfloat16").get(x.dtype, -1)
+    return code
 
 
 def _released(lease: Any) -> ColibriError:

@@ -185,7 +185,7 @@ def test_bad_operands_are_refused() -> None:
         kernels.linear(w, x.astype(np.float64))
     with pytest.raises(ValueError, match="contiguous rows"):
         kernels.linear(w, np.asfortranarray(x))
-    with pytest.raises(ValueError, match="16 values per token"):
+    with pytest.raises(ValueError, match="rows of 16 values"):
         kernels.linear(w, x, out=np.empty((2, 16), np.float32))
     with pytest.raises(ValueError, match="expected"):
         kernels.linear(w, x, out=np.empty((3, 17), np.float32))

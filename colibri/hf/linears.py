@@ -10,11 +10,12 @@ weight the checkpoint stores as pack-quantized int4 (``weight_packed``) or
 FP8 with block scales (``weight_scale_inv``) for a :class:`PackedLinear`
 holding those bytes, which :func:`colibri.kernels.linear` computes on the
 same compute pool and threads as the routed experts. The float copies are
-dropped with the modules they belonged to.
+dropped with the modules they belonged to, and their pages given back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -61,14 +62,13 @@ def _make_class() -> Any:
 
         def forward(self, x: Any) -> Any:
             rows = x.reshape(-1, self.in_features)
-            if rows.dtype not in kernel_dtypes:
-                rows = rows.float()
             if rows.shape[0] == 0:
                 return x.new_empty((*x.shape[:-1], self.out_features))
-            if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.in_features):
-                rows = rows.contiguous()
-            out = linear(self.packed, rows)
-            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            if rows.dtype not in kernel_dtypes:
+                out = linear(self.packed, rows.float().contiguous()).to(x.dtype)
+            else:
+                out = linear(self.packed, rows.contiguous())
+            return out.view(*x.shape[:-1], self.out_features)
 
     return PackedLinear
 
@@ -98,8 +98,21 @@ def pack_linears(model: Any, path: str) -> int:
 
     _, tensors = read_model_tensors(path)
     cls = packed_linear_class()
-    chosen = [(name, module) for name, module in model.named_modules()
+    chosen = [name for name, module in model.named_modules()
               if type(module) is torch.nn.Linear and packed_scheme(tensors, name) is not None]
-    for name, module in chosen:
-        _swap(model, name, module, tensors, cls)
+    for name in chosen:
+        _swap(model, name, model.get_submodule(name), tensors, cls)
+    if chosen:
+        _give_back()
     return len(chosen)
+
+
+def _give_back() -> None:
+    """Returns the freed float copies' pages to the system: glibc keeps
+    freed heap memory in the process otherwise (measured: 81 of 86 MiB on a
+    24-layer model). A no-op without glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
