@@ -173,6 +173,13 @@ def test_plain_torch_operands_and_threads() -> None:
     assert relative_error(got.numpy(), reference(w.to_float(), w.bias, x.numpy())) <= F32_BOUND
     out = torch.empty(6, 48, dtype=torch.bfloat16)
     assert kernels.linear(w, x.bfloat16(), out=out, threads=1) is out
+    assert torch.equal(out, kernels.linear(w, x.bfloat16()))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        kernels.linear(w, x.double())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernels.linear(w, torch.randn(40, 6).t())
+    with pytest.raises(ValueError, match=r"expected \(tokens, 40\)"):
+        kernels.linear(w, torch.randn(2, 3, 40))
 
 
 def test_bad_operands_are_refused() -> None:
