@@ -80,7 +80,10 @@ def test_the_packed_layers_replace_the_float_ones(path: str) -> None:
     cls = packed_linear_class()
     native = hf.from_pretrained(path, torch_dtype=torch.float32)
     plain = hf.from_pretrained(path, torch_dtype=torch.float32, kernels="torch")
+    kept = hf.from_pretrained(path, torch_dtype=torch.float32, pack_linears=False)
     try:
+        assert kept.colibri.packed_linears == 0 and kept.colibri.kernels == "native"
+        assert not [n for n, m in kept.named_modules() if isinstance(m, cls)]
         packed = {n for n, m in native.named_modules() if isinstance(m, cls)}
         assert packed == wanted and native.colibri.packed_linears == len(wanted)
         for n in wanted:
@@ -93,8 +96,8 @@ def test_the_packed_layers_replace_the_float_ones(path: str) -> None:
         size = lambda m: sum(p.nbytes for p in m.parameters())  # noqa: E731
         assert size(native) == size(plain) - floats
     finally:
-        native.colibri_close()
-        plain.colibri_close()
+        for m in (native, plain, kept):
+            m.colibri_close()
 
 
 def test_float32_logits_and_greedy_tokens_equal_the_exact_reference(path: str) -> None:
