@@ -37,6 +37,11 @@ SOURCES = [ROOT / "tests" / "c" / "ffn_cases.c",
            *(CSRC / s for s in CORE if s.startswith("ffn") or s == "compute_pool.c")]
 BLOB_NULL = 2 ** 64 - 1
 TOKENS = (1, 2, 3, 5, 16, 33)
+# The formats the neon path computes with a NEON kernel of its own (every
+# orientation the store computes them in); GPTQ and AWQ run the scalar one.
+NEON_FORMATS = {"BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "FP8_E4M3_BLOCK", "FP4_NATIVE_BLOCK",
+                "INT4_BLOCK"}
+SCALAR_FORMATS = {"INT4_GPTQ", "INT4_AWQ"}
 
 pytestmark = pytest.mark.skipif(CC is None or QEMU is None,
                                 reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (arm64 under qemu-user)")
@@ -77,13 +82,24 @@ def _matrix(m: Any) -> bytes:
                             _blob(m.bias, m.bias_bytes)))
 
 
-def _case(store: colibri.Store, ex: Any, activation: str, x: np.ndarray) -> bytes:
-    """One case of the driver's file: the store's description of the lease and x."""
+def _format_name(number: int) -> str:
+    return next(n[len("COLI_TENSOR_"):] for n in dir(lib)
+                if n.startswith("COLI_TENSOR_") and getattr(lib, n) == number)
+
+
+def _case(store: colibri.Store, ex: Any, activation: str, x: np.ndarray,
+          matrices: set[tuple[int, int]]) -> bytes:
+    """One case of the driver's file: the store's description of the lease
+    and x; adds each matrix's (format, stored (in, out)) to matrices."""
     e = ffi.new("ColiFfnExpert *")
     err = ffi.new("char[]", 256)
     rc = lib.coli_store_ffn_expert(store._handle, ffi.cast("ColiExpertView *", ex._view_address),
                                    kernels.ACTIVATIONS.index(activation), 1.702, 7.0, e, err, 256)
     assert rc == 0, ffi.string(err)
+    for r in ("gate", "up", "down"):
+        m = getattr(e, r)
+        if m.view.data != ffi.NULL:
+            matrices.add((m.view.format, int(bool(m.flags & lib.COLI_FFN_IN_OUT))))
     fmt = lib.COLI_TENSOR_BF16 if x.dtype == BF16 else lib.COLI_TENSOR_F32
     head = struct.pack("<iiiiffqq", e.fused, e.activation, fmt, fmt, e.alpha, e.limit, *x.shape)
     return head + b"".join(_matrix(getattr(e, r)) for r in ("gate", "up", "down")) + \
@@ -109,6 +125,7 @@ def arm64_driver(tmp_path_factory: Any) -> Path:
 
 def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
     cases, expected = [], []
+    matrices: set[tuple[int, int]] = set()
     rng = np.random.default_rng(7)
     for n, (fmt, hidden, inter, options) in enumerate(CHECKPOINTS):
         with tempfile.TemporaryDirectory() as tmp:
@@ -119,16 +136,28 @@ def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
                 for tokens, activation, dtype in _calls(n):
                     x = rng.standard_normal((tokens, hidden)).astype(np.float32).astype(dtype)
                     here = kernels.expert_ffn(ex, x, activation=activation, isa="scalar")
-                    cases.append(_case(store, ex, activation, x))
+                    cases.append(_case(store, ex, activation, x, matrices))
                     expected.append((f"{fmt} {hidden}x{inter} {options} T={tokens} {activation} "
                                      f"{np.dtype(dtype).name}", dtype, here,
                                      reference(weights, x, activation)))
     (tmp_path / "cases").write_bytes(b"CFC1" + struct.pack("<I", len(cases)) + b"".join(cases))
     assert QEMU is not None
-    proc = subprocess.run([QEMU, str(arm64_driver), str(tmp_path / "cases"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([QEMU, str(arm64_driver), str(tmp_path / "cases"), str(tmp_path / "out"),
+                           *(f"{f}:{io}" for f, io in sorted(matrices))],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("path neon:"), proc.stdout  # arm64's default is the neon path
+    # Each matrix of the cases runs the neon path's own kernel where it has
+    # one (never a silent fallback), the scalar one for GPTQ and AWQ.
+    names = {(int(f), int(io)): name for _, f, io, name in
+             (line.split() for line in proc.stdout.splitlines()[1:])}
+    assert set(names) == matrices
+    for (f, io), name in names.items():
+        fmt = _format_name(f)
+        assert fmt in NEON_FORMATS | SCALAR_FORMATS, fmt
+        assert name == "scalar" if fmt in SCALAR_FORMATS else name.endswith("/neon"), (fmt, io, name)
+    assert {_format_name(f) for f, _ in matrices} == NEON_FORMATS | SCALAR_FORMATS
+    assert {(_format_name(f), io) for f, io in matrices} >= {("BF16", 0), ("BF16", 1)}
     raw, at = (tmp_path / "out").read_bytes(), 0
     for name, dtype, here, want in expected:
         size = here.nbytes
