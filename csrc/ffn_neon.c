@@ -15,26 +15,30 @@
  *   as the scalar path decodes it: (q - z) * s, e2m1 * 2^(e - 127), an FP8
  *   value times its block scale.
  *
- *   SINGLE, plain and FP8 stored (in, out) (gpt-oss's and Llama 4's float
- *   experts): lanes are outputs; one running sum per output,
- *   acc = fma(w_k, x_k, acc) in input order.
+ *   SINGLE, stored (in, out): plain and FP8 (gpt-oss's and Llama 4's float
+ *   experts), GPTQ (with or without act order) and AWQ. Lanes are outputs;
+ *   one running sum per output, acc = fma(w_k, x_k, acc) in input order,
+ *   w_k the weight as the scalar path rounds it: the plain value (times its
+ *   FP8 block scale), or (q - z) * s of input k's group.
  *
- * GPTQ and AWQ have no NEON kernel: the scalar one runs.
- *
- * Batches of at most COLI_FFN_STREAM_TOKENS tokens stream the weights in
- * stored order, decoded in registers (DOT: rows one after another, four
- * tokens at a time). Larger batches decode a tile once and run blocks of
- * four tokens over it; every loop performs the sums above, so a token's
- * result does not depend on its batch, its place in it, the split of the
- * outputs or the thread.
+ * DOT: batches of at most COLI_FFN_STREAM_TOKENS tokens stream the rows
+ * one after another, decoded in registers; larger batches decode a tile of
+ * 4 rows once and run blocks of four tokens over it (16 sums in registers,
+ * chain by chain). SINGLE: panels of 64 outputs, each input's weights to
+ * the panel decoded once and added into every token's sums (in L1). Every
+ * loop performs the sums above, so a token's result does not depend on its
+ * batch, its place in it, the split of the outputs or the thread.
  *
  * Decoding: BF16 is widened by a shift (shll), F16 and e5m2 (an f16's top
  * byte) converted (fcvtl), e4m3's bits moved into an f16 and times 2^8
  * (exact; 0x7f and 0xff made NaN). An int4 or MXFP4 group's 16 values are
  * a table of four byte planes (byte j of each float); tbl looks a vector
- * of 16 nibbles up in each plane and two zips put the bytes back into
- * floats. Int4 groups that are not a multiple of 32 inputs, and FP8 scale
+ * of 16 nibbles up in each plane and two rounds of zips put the bytes
+ * back into floats. Int4 groups that are not a multiple of 32 inputs, and FP8 scale
  * blocks not a multiple of 4 columns, decode rows with the scalar code.
+ * GPTQ's nibbles are a shift and a mask of each output's word; AWQ's, the
+ * low and high nibbles of a segment's two words put in output order by one
+ * tbl.
  */
 #if defined(__aarch64__)
 
@@ -454,20 +458,65 @@ static void dot_run(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
     }
 }
 
-/* ------------------------------------------------------------ SINGLE: plain (in, out) */
+/* ------------------------------------------------------------ SINGLE: stored (in, out) */
 
 enum { SEG = 16, PANEL = 64 };  /* outputs per decoded segment, and per panel of sums */
+enum { K_GPTQ = N_KINDS, K_AWQ };  /* SINGLE's 4-bit kinds */
 
-/* Input k's weights to outputs c .. c + n (n <= SEG; zeros past n) as four
- * vectors. */
-INLINE void single_seg(int kind, const ColiFfnMat *m, int64_t k, int64_t c, int n, float32x4_t w[4]) {
-    const int eb = kind_bytes(kind);
-    const uint8_t *p = m->data + (k * m->n_out + c) * eb;
+/* 16 of 0..15: output i of a segment's two AWQ words (8 bytes, low
+ * nibbles then high ones in a 16-byte vector) is nibble COLI_AWQ_NIBBLE[i %
+ * 8] of word i / 8. */
+static const uint8_t AWQ_PICK[SEG] = {0, 2, 8, 10, 1, 3, 9, 11, 4, 6, 12, 14, 5, 7, 13, 15};
+
+INLINE int single_bytes(int kind) { return kind == K_GPTQ ? 4 : kind == K_AWQ ? 1 : kind_bytes(kind); }
+
+/* Stored bytes of input k's weights to output c (c a multiple of 8 for the
+ * 4-bit kinds). */
+INLINE const uint8_t *single_at(int kind, const ColiFfnMat *m, int64_t k, int64_t c) {
+    if (kind == K_GPTQ) return m->data + ((k / 8) * m->n_out + c) * 4;
+    if (kind == K_AWQ) return m->data + k * (m->n_out / 2) + c / 2;
+    return m->data + (k * m->n_out + c) * kind_bytes(kind);
+}
+
+/* The stored nibbles of input k to a segment's 16 outputs at p, as floats. */
+INLINE void single_nibbles(int kind, const uint8_t *p, int64_t k, float32x4_t q[4]) {
+    if (kind == K_GPTQ) {
+        const int32x4_t sh = vdupq_n_s32(-4 * (int)(k % 8));
+        UNROLL for (int v = 0; v < 4; v++) {
+            uint32x4_t word = vreinterpretq_u32_u8(vld1q_u8(p + 16 * v));
+            q[v] = vcvtq_f32_u32(vandq_u32(vshlq_u32(word, sh), vdupq_n_u32(0xf)));
+        }
+        return;
+    }
+    uint8x8_t b = vld1_u8(p);
+    uint8x16_t both = vcombine_u8(vand_u8(b, vdup_n_u8(0xf)), vshr_n_u8(b, 4));
+    uint8x16_t n = vqtbl1q_u8(both, vld1q_u8(AWQ_PICK));
+    uint16x8_t lo = vmovl_u8(vget_low_u8(n)), hi = vmovl_high_u8(n);
+    q[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
+    q[1] = vcvtq_f32_u32(vmovl_high_u16(lo));
+    q[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
+    q[3] = vcvtq_f32_u32(vmovl_high_u16(hi));
+}
+
+/* Input k's weights to outputs c .. c + n (n <= SEG; what lies past n is
+ * never stored) as four vectors; zs: the zero points then the scales of
+ * the segment's outputs for k's group (4-bit kinds). */
+INLINE void single_seg(int kind, const ColiFfnMat *m, int64_t k, int64_t c, int n, const float *zs,
+                       float32x4_t w[4]) {
+    const int eb = single_bytes(kind);
+    const uint8_t *p = single_at(kind, m, k, c);
     uint8_t pad[SEG * 4] __attribute__((aligned(16)));
-    if (n < SEG) {
+    if (n < SEG) {  /* the 4-bit kinds' outputs come in whole words of 8 */
         memset(pad, 0, sizeof pad);
-        memcpy(pad, p, (size_t)(n * eb));
+        memcpy(pad, p, (size_t)(kind == K_AWQ ? n / 2 : n * eb));
         p = pad;
+    }
+    if (kind == K_GPTQ || kind == K_AWQ) {
+        float32x4_t q[4];
+        single_nibbles(kind, p, k, q);
+        UNROLL for (int v = 0; v < 4; v++)
+            w[v] = vmulq_f32(vsubq_f32(q[v], vld1q_f32(zs + LN * v)), vld1q_f32(zs + PANEL + LN * v));
+        return;
     }
     plain16(kind, p, w);
     if (m->format != COLI_TENSOR_FP8_E4M3_BLOCK) return;
@@ -479,23 +528,39 @@ INLINE void single_seg(int kind, const ColiFfnMat *m, int64_t k, int64_t c, int 
     for (int v = 0; v < 4; v++) w[v] = vmulq_f32(w[v], vld1q_f32(s + 4 * v));
 }
 
+/* Zero points and scales of every group for outputs p0 .. p0 + np: group
+ * g's at zs + 2 PANEL g (zeros, then scales; padding lanes 0 and 1). */
+static void single_params(const ColiFfnMat *m, int64_t p0, int np, float *zs) {
+    for (int64_t g = 0; g < m->groups; g++, zs += 2 * PANEL)
+        for (int c = 0; c < PANEL; c++) {
+            zs[c] = c < np ? (float)coli_ffn_zero_at(m, p0 + c, g) : 0.0f;
+            zs[PANEL + c] = c < np ? coli_ffn_scale(m, g * m->n_out + p0 + c) : 1.0f;
+        }
+}
+
 /* Outputs [n0, n1), a panel of PANEL at a time: every input, in order, adds
  * its weights times each token's value into the panel's sums (acc). */
 INLINE void single(int kind, const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    float *acc = (float *)task->scratch;
-    const int eb = kind_bytes(kind);
-    const int64_t rs = m->n_out * eb, ahead = COLI_FFN_PREFETCH / (PANEL * eb);
+    float *acc = (float *)task->scratch, *params = acc + task->tokens * PANEL;
+    const int quant = kind == K_GPTQ || kind == K_AWQ;
+    /* Prefetch: the panel's bytes this many inputs ahead, a line at a time. */
+    const int line = kind == K_GPTQ ? 8 : 1;  /* inputs per stored row */
+    const int64_t panel_bytes = kind == K_AWQ ? PANEL / 2 : PANEL * single_bytes(kind);
+    const int64_t ahead = line * (COLI_FFN_PREFETCH / panel_bytes);
     const float *x = (const float *)task->x;
     for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
         int np = n1 - p0 < PANEL ? (int)(n1 - p0) : PANEL, nseg = (np + SEG - 1) / SEG;
         memset(acc, 0, sizeof(float) * (size_t)(task->tokens * PANEL));
+        if (quant) single_params(m, p0, np, params);
         for (int64_t k = 0; k < m->n_in; k++) {
-            if (k + ahead < m->n_in)
-                for (int i = 0; i < np * eb; i += 64)
-                    __builtin_prefetch(m->data + (k + ahead) * rs + p0 * eb + i, 0, 3);
+            if (k % line == 0 && k + ahead < m->n_in)
+                for (int i = 0; i < np * panel_bytes / PANEL; i += 64)
+                    __builtin_prefetch(single_at(kind, m, k + ahead, p0) + i, 0, 3);
+            const float *zs = quant ? params + 2 * PANEL * coli_ffn_group_of(m, k) : NULL;
             for (int s = 0; s < nseg; s++) {
                 float32x4_t w[4];
-                single_seg(kind, m, k, p0 + SEG * s, np - SEG * s < SEG ? np - SEG * s : SEG, w);
+                single_seg(kind, m, k, p0 + SEG * s, np - SEG * s < SEG ? np - SEG * s : SEG,
+                           zs ? zs + SEG * s : NULL, w);
                 for (int t = 0; t < task->tokens; t++) {
                     float32x4_t xv = vdupq_n_f32(x[t * task->ldx + k]);
                     float *a = acc + t * PANEL + SEG * s;
@@ -518,14 +583,25 @@ SINGLE(K_F16)
 SINGLE(K_BF16)
 SINGLE(K_E4M3)
 SINGLE(K_E5M2)
+SINGLE(K_GPTQ)
+SINGLE(K_AWQ)
 #undef SINGLE
 
 static size_t single_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
-    (void)m, (void)n0, (void)n1;
-    return sizeof(float) * (size_t)(tokens * PANEL);
+    (void)n0, (void)n1;
+    int quant = m->format == COLI_TENSOR_INT4_GPTQ || m->format == COLI_TENSOR_INT4_AWQ;
+    return sizeof(float) * (size_t)((tokens + (quant ? 2 * m->groups : 0)) * PANEL);
 }
 
 static void single_run(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
+    if (m->format == COLI_TENSOR_INT4_GPTQ) {
+        single_K_GPTQ(m, n0, n1, task);
+        return;
+    }
+    if (m->format == COLI_TENSOR_INT4_AWQ) {
+        single_K_AWQ(m, n0, n1, task);
+        return;
+    }
     switch (kind_of(m)) {
     case K_F32: single_K_F32(m, n0, n1, task); return;
     case K_F16: single_K_F16(m, n0, n1, task); return;
@@ -603,14 +679,18 @@ static const ColiFfnKernel NEON_PLAIN = {"plain/neon", COLI_FFN_X_F32, COLI_FFN_
                                          dot_scratch, dot_run};
 static const ColiFfnKernel NEON_PLAIN_T = {"plain-in-out/neon", COLI_FFN_X_F32, COLI_FFN_ORDER_PLAIN,
                                            0, SEG, single_scratch, single_run};
+static const ColiFfnKernel NEON_GPTQ = {"gptq/neon", COLI_FFN_X_F32, COLI_FFN_ORDER_PLAIN, 0, SEG,
+                                        single_scratch, single_run};
+static const ColiFfnKernel NEON_AWQ = {"awq/neon", COLI_FFN_X_F32, COLI_FFN_ORDER_PLAIN, 0, SEG,
+                                       single_scratch, single_run};
 
 const ColiFfnKernel *coli_ffn_kernel_neon(const ColiFfnMat *m) {
     if (!coli_ffn_format_computed(m->format, m->in_out)) return NULL;
     switch (m->format) {
     case COLI_TENSOR_FP4_NATIVE_BLOCK: return &NEON_MXFP4;
     case COLI_TENSOR_INT4_BLOCK: return &NEON_INT4;
-    case COLI_TENSOR_INT4_GPTQ:
-    case COLI_TENSOR_INT4_AWQ: return NULL;  /* the scalar kernel */
+    case COLI_TENSOR_INT4_GPTQ: return &NEON_GPTQ;
+    case COLI_TENSOR_INT4_AWQ: return &NEON_AWQ;
     default: return m->in_out ? &NEON_PLAIN_T : &NEON_PLAIN;
     }
 }

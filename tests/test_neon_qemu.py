@@ -37,11 +37,10 @@ SOURCES = [ROOT / "tests" / "c" / "ffn_cases.c",
            *(CSRC / s for s in CORE if s.startswith("ffn") or s == "compute_pool.c")]
 BLOB_NULL = 2 ** 64 - 1
 TOKENS = (1, 2, 3, 5, 16, 33)
-# The formats the neon path computes with a NEON kernel of its own (every
-# orientation the store computes them in); GPTQ and AWQ run the scalar one.
+# Every format the store computes has a NEON kernel of its own, in every
+# orientation it is computed in.
 NEON_FORMATS = {"BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "FP8_E4M3_BLOCK", "FP4_NATIVE_BLOCK",
-                "INT4_BLOCK"}
-SCALAR_FORMATS = {"INT4_GPTQ", "INT4_AWQ"}
+                "INT4_BLOCK", "INT4_GPTQ", "INT4_AWQ"}
 
 pytestmark = pytest.mark.skipif(CC is None or QEMU is None,
                                 reason="needs aarch64-linux-gnu-gcc and qemu-aarch64 (arm64 under qemu-user)")
@@ -147,16 +146,15 @@ def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("path neon:"), proc.stdout  # arm64's default is the neon path
-    # Each matrix of the cases runs the neon path's own kernel where it has
-    # one (never a silent fallback), the scalar one for GPTQ and AWQ.
+    # Each matrix of the cases runs the neon path's own kernel (never a
+    # silent fallback to the scalar one).
     names = {(int(f), int(io)): name for _, f, io, name in
              (line.split() for line in proc.stdout.splitlines()[1:])}
     assert set(names) == matrices
     for (f, io), name in names.items():
         fmt = _format_name(f)
-        assert fmt in NEON_FORMATS | SCALAR_FORMATS, fmt
-        assert name == "scalar" if fmt in SCALAR_FORMATS else name.endswith("/neon"), (fmt, io, name)
-    assert {_format_name(f) for f, _ in matrices} == NEON_FORMATS | SCALAR_FORMATS
+        assert fmt in NEON_FORMATS and name.endswith("/neon"), (fmt, io, name)
+    assert {_format_name(f) for f, _ in matrices} == NEON_FORMATS
     assert {(_format_name(f), io) for f, io in matrices} >= {("BF16", 0), ("BF16", 1)}
     raw, at = (tmp_path / "out").read_bytes(), 0
     for name, dtype, here, want in expected:
