@@ -72,13 +72,35 @@ def _blob(address: Any, size: int) -> bytes:
     return struct.pack("<Q", size) + bytes(ffi.buffer(address, size))
 
 
-def _matrix(m: Any) -> bytes:
+# Element bytes of the formats a test also stores transposed.
+PLAIN_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "FP8_E4M3_BLOCK": 1}
+# Checkpoints (stored (out, in)) whose cases run a second time with every
+# matrix stored (in, out): the plain formats the synthetic checkpoints only
+# write one way.
+TRANSPOSED = {"f16", "f8_e4m3", "f8_e5m2", "fp8_block"}
+
+
+def _matrix(m: Any, transpose: bool = False) -> bytes:
+    """A matrix of the driver's file; transposed: a plain (out, in) one
+    stored (in, out) (its FP8 block scales and block shape too)."""
     v = m.view
-    head = struct.pack("<iiqqIIII", v.format, v.scale_format, v.rows, v.columns, v.block_rows,
-                       v.block_columns, m.flags, m.bias_format if m.bias != ffi.NULL else 0)
-    return head + b"".join((_blob(v.data, v.data_bytes), _blob(v.scales, v.scale_bytes),
-                            _blob(m.zeros, m.zero_bytes), _blob(m.g_idx, 4 * m.g_idx_count),
-                            _blob(m.bias, m.bias_bytes)))
+    rows, cols, brows, bcols, flags = v.rows, v.columns, v.block_rows, v.block_columns, m.flags
+    data, scales = _blob(v.data, v.data_bytes), _blob(v.scales, v.scale_bytes)
+    if transpose:
+        fmt = _format_name(v.format)
+        assert not flags & lib.COLI_FFN_IN_OUT and fmt in PLAIN_BYTES, fmt
+        el = np.dtype(f"V{PLAIN_BYTES[fmt]}")
+        grid = np.frombuffer(ffi.buffer(v.data, v.data_bytes), el).reshape(rows, cols)
+        data = struct.pack("<Q", v.data_bytes) + np.ascontiguousarray(grid.T).tobytes()
+        if v.scales != ffi.NULL:
+            sg = np.frombuffer(ffi.buffer(v.scales, v.scale_bytes), np.float32).reshape(
+                -(-rows // brows), -(-cols // bcols))
+            scales = struct.pack("<Q", v.scale_bytes) + np.ascontiguousarray(sg.T).tobytes()
+        rows, cols, brows, bcols, flags = cols, rows, bcols, brows, flags | lib.COLI_FFN_IN_OUT
+    head = struct.pack("<iiqqIIII", v.format, v.scale_format, rows, cols, brows, bcols, flags,
+                       m.bias_format if m.bias != ffi.NULL else 0)
+    return head + b"".join((data, scales, _blob(m.zeros, m.zero_bytes),
+                            _blob(m.g_idx, 4 * m.g_idx_count), _blob(m.bias, m.bias_bytes)))
 
 
 def _format_name(number: int) -> str:
@@ -87,9 +109,10 @@ def _format_name(number: int) -> str:
 
 
 def _case(store: colibri.Store, ex: Any, activation: str, x: np.ndarray,
-          matrices: set[tuple[int, int]]) -> bytes:
+          matrices: set[tuple[int, int]], transpose: bool = False) -> bytes:
     """One case of the driver's file: the store's description of the lease
-    and x; adds each matrix's (format, stored (in, out)) to matrices."""
+    (transposed: every matrix stored (in, out)) and x; adds each matrix's
+    (format, stored (in, out)) to matrices."""
     e = ffi.new("ColiFfnExpert *")
     err = ffi.new("char[]", 256)
     rc = lib.coli_store_ffn_expert(store._handle, ffi.cast("ColiExpertView *", ex._view_address),
@@ -98,10 +121,10 @@ def _case(store: colibri.Store, ex: Any, activation: str, x: np.ndarray,
     for r in ("gate", "up", "down"):
         m = getattr(e, r)
         if m.view.data != ffi.NULL:
-            matrices.add((m.view.format, int(bool(m.flags & lib.COLI_FFN_IN_OUT))))
+            matrices.add((m.view.format, int(transpose or bool(m.flags & lib.COLI_FFN_IN_OUT))))
     fmt = lib.COLI_TENSOR_BF16 if x.dtype == BF16 else lib.COLI_TENSOR_F32
     head = struct.pack("<iiiiffqq", e.fused, e.activation, fmt, fmt, e.alpha, e.limit, *x.shape)
-    return head + b"".join(_matrix(getattr(e, r)) for r in ("gate", "up", "down")) + \
+    return head + b"".join(_matrix(getattr(e, r), transpose) for r in ("gate", "up", "down")) + \
         _blob(ffi.from_buffer(x), x.nbytes)
 
 
@@ -135,10 +158,12 @@ def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
                 for tokens, activation, dtype in _calls(n):
                     x = rng.standard_normal((tokens, hidden)).astype(np.float32).astype(dtype)
                     here = kernels.expert_ffn(ex, x, activation=activation, isa="scalar")
-                    cases.append(_case(store, ex, activation, x, matrices))
-                    expected.append((f"{fmt} {hidden}x{inter} {options} T={tokens} {activation} "
-                                     f"{np.dtype(dtype).name}", dtype, here,
-                                     reference(weights, x, activation)))
+                    want = reference(weights, x, activation)
+                    for transpose in (False, True) if fmt in TRANSPOSED else (False,):
+                        cases.append(_case(store, ex, activation, x, matrices, transpose))
+                        expected.append((f"{fmt} {hidden}x{inter} {options} T={tokens} {activation} "
+                                         f"{np.dtype(dtype).name}{' (in, out)' if transpose else ''}",
+                                         dtype, here, want))
     (tmp_path / "cases").write_bytes(b"CFC1" + struct.pack("<I", len(cases)) + b"".join(cases))
     assert QEMU is not None
     proc = subprocess.run([QEMU, str(arm64_driver), str(tmp_path / "cases"), str(tmp_path / "out"),
@@ -155,7 +180,8 @@ def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
         fmt = _format_name(f)
         assert fmt in NEON_FORMATS and name.endswith("/neon"), (fmt, io, name)
     assert {_format_name(f) for f, _ in matrices} == NEON_FORMATS
-    assert {(_format_name(f), io) for f, io in matrices} >= {("BF16", 0), ("BF16", 1)}
+    # Each plain format both ways (f16 and FP8 (in, out) by transposing).
+    assert {(_format_name(f), io) for f, io in matrices} >= {(f, io) for f in PLAIN_BYTES for io in (0, 1)}
     raw, at = (tmp_path / "out").read_bytes(), 0
     for name, dtype, here, want in expected:
         size = here.nbytes
