@@ -48,6 +48,11 @@
 
 #include "ffn_internal.h"
 
+/* The decoders reinterpret loaded bytes as little-endian lanes. */
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the neon path assumes little-endian arm64"
+#endif
+
 /* Helpers are inlined so that vectors stay in registers and each kernel's
  * format is a constant in its loops. */
 #define INLINE static inline __attribute__((always_inline))
@@ -61,10 +66,6 @@ enum { K_NIB, K_F32, K_F16, K_BF16, K_E4M3, K_E5M2, N_KINDS };
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-static int elem_bytes(ColiTensorFormat f) {
-    return f == COLI_TENSOR_F32 ? 4 : f == COLI_TENSOR_F16 || f == COLI_TENSOR_BF16 ? 2 : 1;
-}
 
 static int kind_of(const ColiFfnMat *m) {
     switch (m->format) {
@@ -194,8 +195,7 @@ static DotInfo dot_info(const ColiFfnMat *m) {
     d.m = m;
     d.kind = kind_of(m);
     int nib = d.kind == K_NIB;
-    d.eb = nib ? 0 : elem_bytes(m->format == COLI_TENSOR_FP8_E4M3_BLOCK ? COLI_TENSOR_F8_E4M3
-                                                                         : m->format);
+    d.eb = nib ? 0 : kind_bytes(d.kind);
     d.slow = nib ? m->group % 32 != 0
                  : m->format == COLI_TENSOR_FP8_E4M3_BLOCK && m->block_columns % LN != 0;
     d.row_bytes = nib ? m->n_in / 2 : m->n_in * d.eb;

@@ -6,7 +6,10 @@ sources and run under qemu-aarch64 on expert descriptions written here (the
 store's own ColiFfnExpert of a lease, its bytes copied): every format of
 colibri.synthetic_formats, odd widths where a format allows them, groups,
 act order, biases, both activations, float32 and bfloat16 calls of 1 to 33
-tokens. Skipped without aarch64-linux-gnu-gcc or qemu-aarch64.
+tokens, and the plain formats also stored (in, out). Each matrix must run a
+NEON kernel of its own (the arm64 build's coli_ffn_kernel_name), and each
+token the same bits alone, batched and on three threads. Skipped without
+aarch64-linux-gnu-gcc or qemu-aarch64.
 """
 
 from __future__ import annotations
