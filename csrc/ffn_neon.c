@@ -24,8 +24,10 @@
  * DOT: batches of at most COLI_FFN_STREAM_TOKENS tokens stream the rows
  * one after another, decoded in registers; larger batches decode a tile of
  * 4 rows once and run blocks of four tokens over it (16 sums in registers,
- * chain by chain). SINGLE: panels of 64 outputs, each input's weights to
- * the panel decoded once and added into every token's sums (in L1). Every
+ * chain by chain). SINGLE: panels of 64 outputs, their sums in L1; per 8
+ * inputs, per segment of 16 outputs and block of four tokens the sums are
+ * held in registers while the 8 inputs' weights are decoded and added (the
+ * panel's bytes read from memory once, re-decoded from L1 per block). Every
  * loop performs the sums above, so a token's result does not depend on its
  * batch, its place in it, the split of the outputs or the thread.
  *
@@ -538,8 +540,32 @@ static void single_params(const ColiFfnMat *m, int64_t p0, int np, float *zs) {
         }
 }
 
+enum { CHUNK = 8 };  /* inputs whose terms a segment's sums take in registers */
+
+/* Inputs k0 .. k0 + nk (in order) into one segment's sums of tb tokens (a:
+ * tb rows of PANEL floats), held in registers over the chunk; zs: each
+ * input's group parameters at the segment (4-bit kinds). */
+INLINE void single_chunk(int kind, int tb, const ColiFfnMat *m, int64_t k0, int nk, int64_t c,
+                         int n, const float *const *zs, const float *x, int64_t ldx, float *a) {
+    float32x4_t s[TB_MAX][4];
+    UNROLL for (int t = 0; t < tb; t++)
+        UNROLL for (int v = 0; v < 4; v++) s[t][v] = vld1q_f32(a + t * PANEL + LN * v);
+    for (int j = 0; j < nk; j++) {
+        float32x4_t w[4];
+        single_seg(kind, m, k0 + j, c, n, zs[j], w);
+        UNROLL for (int t = 0; t < tb; t++) {
+            float32x4_t xv = vdupq_n_f32(x[t * ldx + k0 + j]);
+            UNROLL for (int v = 0; v < 4; v++) s[t][v] = vfmaq_f32(s[t][v], w[v], xv);
+        }
+    }
+    UNROLL for (int t = 0; t < tb; t++)
+        UNROLL for (int v = 0; v < 4; v++) vst1q_f32(a + t * PANEL + LN * v, s[t][v]);
+}
+
 /* Outputs [n0, n1), a panel of PANEL at a time: every input, in order, adds
- * its weights times each token's value into the panel's sums (acc). */
+ * its weights times each token's value into the panel's sums (acc, in L1),
+ * CHUNK inputs at a time per segment of SEG outputs and block of at most
+ * four tokens. */
 INLINE void single(int kind, const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
     float *acc = (float *)task->scratch, *params = acc + task->tokens * PANEL;
     const int quant = kind == K_GPTQ || kind == K_AWQ;
@@ -548,24 +574,35 @@ INLINE void single(int kind, const ColiFfnMat *m, int64_t n0, int64_t n1, const 
     const int64_t panel_bytes = kind == K_AWQ ? PANEL / 2 : PANEL * single_bytes(kind);
     const int64_t ahead = line * (COLI_FFN_PREFETCH / panel_bytes);
     const float *x = (const float *)task->x;
+    const int64_t ldx = task->ldx;
     for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
         int np = n1 - p0 < PANEL ? (int)(n1 - p0) : PANEL, nseg = (np + SEG - 1) / SEG;
         memset(acc, 0, sizeof(float) * (size_t)(task->tokens * PANEL));
         if (quant) single_params(m, p0, np, params);
-        for (int64_t k = 0; k < m->n_in; k++) {
-            if (k % line == 0 && k + ahead < m->n_in)
-                for (int i = 0; i < np * panel_bytes / PANEL; i += 64)
-                    __builtin_prefetch(single_at(kind, m, k + ahead, p0) + i, 0, 3);
-            const float *zs = quant ? params + 2 * PANEL * coli_ffn_group_of(m, k) : NULL;
+        for (int64_t k0 = 0; k0 < m->n_in; k0 += CHUNK) {
+            int nk = m->n_in - k0 < CHUNK ? (int)(m->n_in - k0) : CHUNK;
+            const float *zg[CHUNK];
+            for (int j = 0; j < nk; j++) {
+                int64_t k = k0 + j;
+                zg[j] = quant ? params + 2 * PANEL * coli_ffn_group_of(m, k) : NULL;
+                if (k % line == 0 && k + ahead < m->n_in)
+                    for (int i = 0; i < np * panel_bytes / PANEL; i += 64)
+                        __builtin_prefetch(single_at(kind, m, k + ahead, p0) + i, 0, 3);
+            }
             for (int s = 0; s < nseg; s++) {
-                float32x4_t w[4];
-                single_seg(kind, m, k, p0 + SEG * s, np - SEG * s < SEG ? np - SEG * s : SEG,
-                           zs ? zs + SEG * s : NULL, w);
-                for (int t = 0; t < task->tokens; t++) {
-                    float32x4_t xv = vdupq_n_f32(x[t * task->ldx + k]);
-                    float *a = acc + t * PANEL + SEG * s;
-                    UNROLL for (int v = 0; v < 4; v++)
-                        vst1q_f32(a + LN * v, vfmaq_f32(vld1q_f32(a + LN * v), w[v], xv));
+                int n = np - SEG * s < SEG ? np - SEG * s : SEG;
+                const float *zs[CHUNK];
+                for (int j = 0; j < nk; j++) zs[j] = quant ? zg[j] + SEG * s : NULL;
+                for (int t0 = 0; t0 < task->tokens; t0 += TB_MAX) {
+                    const float *xt = x + t0 * ldx;
+                    float *a = acc + t0 * PANEL + SEG * s;
+                    int64_t c = p0 + SEG * s;
+                    switch (task->tokens - t0 < TB_MAX ? task->tokens - t0 : TB_MAX) {
+                    case 1: single_chunk(kind, 1, m, k0, nk, c, n, zs, xt, ldx, a); break;
+                    case 2: single_chunk(kind, 2, m, k0, nk, c, n, zs, xt, ldx, a); break;
+                    case 3: single_chunk(kind, 3, m, k0, nk, c, n, zs, xt, ldx, a); break;
+                    default: single_chunk(kind, 4, m, k0, nk, c, n, zs, xt, ldx, a); break;
+                    }
                 }
             }
         }
