@@ -8,12 +8,15 @@ colibri.synthetic_formats, odd widths where a format allows them, groups,
 act order, biases, both activations, float32 and bfloat16 calls of 1 to 33
 tokens, and the plain formats also stored (in, out). Each matrix must run a
 NEON kernel of its own (the arm64 build's coli_ffn_kernel_name), and each
-token the same bits alone, batched and on three threads. Skipped without
+token the same bits alone, batched and on three threads; where arm64's
+sanitizer runtimes are installed, the same cases run again built with
+ASan+UBSan, for no report and the same bits. Skipped without
 aarch64-linux-gnu-gcc or qemu-aarch64.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
@@ -148,7 +151,26 @@ def arm64_driver(tmp_path_factory: Any) -> Path:
     return exe
 
 
-def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
+# arm64's sanitizer runtimes, for a build of the driver under ASan+UBSan.
+ARM64_LIBS = Path("/usr/aarch64-linux-gnu")
+
+
+@pytest.fixture(scope="module")
+def arm64_sanitized(tmp_path_factory: Any) -> Path | None:
+    """The driver built with ASan+UBSan (any report aborts), or None
+    without arm64's sanitizer runtimes."""
+    if not list((ARM64_LIBS / "lib").glob("libasan.so*")) or not list((ARM64_LIBS / "lib").glob("libubsan.so*")):
+        return None
+    exe = tmp_path_factory.mktemp("arm64-san") / "ffn_cases"
+    assert CC is not None
+    subprocess.run([CC, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-g",
+                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all", f"-I{CSRC}",
+                    *map(str, SOURCES), "-o", str(exe), "-lpthread", "-lm"],
+                   check=True, capture_output=True, text=True)
+    return exe
+
+
+def test_neon_path_under_qemu(arm64_driver: Path, arm64_sanitized: Path | None, tmp_path: Path) -> None:
     cases, expected = [], []
     matrices: set[tuple[int, int]] = set()
     rng = np.random.default_rng(7)
@@ -199,3 +221,11 @@ def test_neon_path_under_qemu(arm64_driver: Path, tmp_path: Path) -> None:
         assert relative_error(batch, scalar.astype(np.float64)) <= bound, name
         assert relative_error(scalar, here.astype(np.float64)) <= bound, name
     assert at == len(raw)
+    if arm64_sanitized is None:
+        return
+    # The same cases under ASan+UBSan: no report, and the same bits.
+    san = subprocess.run([QEMU, "-L", str(ARM64_LIBS), str(arm64_sanitized), str(tmp_path / "cases"),
+                          str(tmp_path / "out-san")], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1"})
+    assert san.returncode == 0, san.stdout + san.stderr
+    assert (tmp_path / "out-san").read_bytes() == raw
