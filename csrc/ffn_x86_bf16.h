@@ -604,7 +604,7 @@ typedef struct {
     int64_t nv;                 /* GPTQ: vectors of 16 outputs; AWQ: segments of 128 */
     int64_t words;              /* AWQ: words of a row in the range */
     int64_t wpg;                /* GPTQ: word rows per group */
-    int64_t ahead;              /* prefetch this many stored rows ahead */
+    int64_t ahead;              /* GPTQ: prefetch this many stored rows ahead */
 } GxInfo;
 
 static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
@@ -613,7 +613,6 @@ static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
     int64_t bytes = g.awq ? 4 * g.words : 4 * g.n;  /* of a stored row in the range */
     g.ahead = (BF_AHEAD + bytes - 1) / bytes;
     if (g.ahead < 1) g.ahead = 1;
-    if (g.awq) g.ahead = 2 * ((g.ahead + 1) / 2);  /* AWQ reads rows two at a time */
     return g;
 }
 
@@ -939,13 +938,19 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
                         xp[i][t][h] = (__m512bh)_mm512_set1_epi32(pair);                     \
                     }                                                                        \
             }                                                                                \
+            /* the next block of rows into L1 in memory order as they go (one       \
+             * stream: each row's own prefetch made 2 NP streams) */                   \
+            int64_t pk = k + 2 * NP, pseg = 0;                                               \
             for (int64_t seg = 0; seg < a->nv; seg++) {                                    \
                 __mmask16 lanes = aq_lanes(a, seg);                                          \
+                UNROLL for (int i = 0; i < 2 * NP; i++) {                                    \
+                    if (pk < m->n_in)                                                        \
+                        _mm_prefetch((const char *)m->data + pk * rs + a->c0 / 2 + 64 * pseg, _MM_HINT_T0); \
+                    if (++pseg == a->nv) pseg = 0, pk++;                                     \
+                }                                                                            \
                 if (k == k0) gx_prefetch_params(m, g + 1, a->c0 + 128 * seg, a->n - 128 * seg < 128 ? a->n - 128 * seg : 128, ss); \
                 __m512i A[NP], B[NP];                                                        \
                 UNROLL for (int i = 0; i < NP; i++) {                                        \
-                    ffn_prefetch2((const char *)ra[i] + 64 * seg, a->ahead * rs);              \
-                    ffn_prefetch2((const char *)rb[i] + 64 * seg, a->ahead * rs);              \
                     A[i] = _mm512_maskz_loadu_epi32(lanes & use[i][0], ra[i] + 64 * seg);    \
                     B[i] = _mm512_maskz_loadu_epi32(lanes & use[i][1], rb[i] + 64 * seg);    \
                 }                                                                            \
