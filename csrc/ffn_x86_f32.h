@@ -29,8 +29,9 @@
  *
  * Batches of at most COLI_FFN_STREAM_TOKENS tokens stream the weights in
  * stored order (rows of a DOT matrix one after another; whole stored rows
- * of the thread's outputs for the others). Larger batches decode rows into
- * a tile once and run the token blocks over it.
+ * of the thread's outputs for the others, act order: of a panel of them
+ * at a time, ax_act_panel). Larger batches decode rows into a tile once
+ * and run the token blocks over it.
  */
 
 #define FN2(name, sfx) name##_##sfx
