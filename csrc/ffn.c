@@ -129,6 +129,9 @@ static ColiFfnActFn act_for(int isa) {
     if (isa == COLI_FFN_ISA_AVX512) return coli_ffn_act_avx512;
     if (isa == COLI_FFN_ISA_AVX2) return coli_ffn_act_avx2;
 #endif
+#if defined(__aarch64__)
+    if (isa == COLI_FFN_ISA_NEON) return coli_ffn_act_neon;
+#endif
     (void)isa;
     return coli_ffn_act_scalar;
 }

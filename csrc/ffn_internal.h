@@ -132,6 +132,7 @@ int coli_ffn_cpu_has_avx512_bf16(void);
 #endif
 #if defined(__aarch64__)
 const ColiFfnKernel *coli_ffn_kernel_neon(const ColiFfnMat *m);
+extern const ColiFfnActFn coli_ffn_act_neon;
 #endif
 /* Whether the format is computed stored that way at all (the scalar path
  * computes every such matrix). */

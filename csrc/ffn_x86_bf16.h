@@ -604,7 +604,7 @@ typedef struct {
     int64_t nv;                 /* GPTQ: vectors of 16 outputs; AWQ: segments of 128 */
     int64_t words;              /* AWQ: words of a row in the range */
     int64_t wpg;                /* GPTQ: word rows per group */
-    int64_t ahead;              /* prefetch this many stored rows ahead */
+    int64_t ahead;              /* GPTQ: prefetch this many stored rows ahead */
 } GxInfo;
 
 static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
@@ -613,7 +613,6 @@ static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
     int64_t bytes = g.awq ? 4 * g.words : 4 * g.n;  /* of a stored row in the range */
     g.ahead = (BF_AHEAD + bytes - 1) / bytes;
     if (g.ahead < 1) g.ahead = 1;
-    if (g.awq) g.ahead = 2 * ((g.ahead + 1) / 2);  /* AWQ reads rows two at a time */
     return g;
 }
 
@@ -659,6 +658,19 @@ BF16 INLINE void gx_flush(const float *zsv, int64_t n, int tb, const float *xs, 
     }
 }
 
+/* Group g's scales and zero points of outputs [o, o + n) into L1, a cache
+ * line at a time (ss: a scale's bytes): called for the next group during a
+ * group's first pass over its rows, so that the params' first touch at the
+ * group's start does not miss (spread along the rows' stream: a burst
+ * stalls it). */
+BF16 INLINE void gx_prefetch_params(const ColiFfnMat *m, int64_t g, int64_t o, int64_t n, int64_t ss) {
+    if (g >= m->groups) return;
+    const char *s = (const char *)m->scales + ss * (g * m->n_out + o);
+    for (int64_t b = 0; b < ss * n; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
+    if (o % 128 == 0 || (o + n) / 128 > o / 128)  /* a zero point line holds 128 outputs */
+        _mm_prefetch((const char *)m->zeros + 4 * (g * (m->n_out / 8) + o / 8), _MM_HINT_T0);
+}
+
 BF16 static void gq_group_params(const void *info, int64_t g, float *zsv) {
     const GxInfo *q = info;
     for (int64_t v = 0; v < q->nv; v++) {
@@ -682,6 +694,7 @@ BF16 static void gq_group_params(const void *info, int64_t g, float *zsv) {
         const int64_t rs = m->n_out * 4;                                                     \
         const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
         int64_t r1 = (g + 1) * q->wpg;                                                       \
+        const int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;                        \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(16 * v1)); \
         /* Two word rows per pass over p; a row past the group is zeros (its
          * terms add exact zeros). */                                                      \
@@ -703,6 +716,7 @@ BF16 static void gq_group_params(const void *info, int64_t g, float *zsv) {
             }                                                                                \
             for (int64_t v = 0; v < v1; v++) {                                               \
                 __mmask16 k = gq_lanes(q, v);                                                \
+                if (r == g * q->wpg) gx_prefetch_params(m, g + 1, q->c0 + 16 * v, q->n - 16 * v < 16 ? q->n - 16 * v : 16, ss); \
                 __m512 a[2][TB]; /* two chains: the first row's terms after p, the second's */ \
                 UNROLL for (int t = 0; t < TB; t++) {                                        \
                     a[0][t] = _mm512_loadu_ps(p + t * ldp + 16 * v);                         \
@@ -851,6 +865,7 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
         const GxInfo *a = info;                                                              \
         const ColiFfnMat *m = a->m;                                                          \
         const int64_t rs = m->n_out / 2;                                                     \
+        const int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;                        \
         const __m512i lo = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300); \
         int64_t k0 = g * m->group, k1 = k0 + m->group < m->n_in ? k0 + m->group : m->n_in;  \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(float) * (size_t)(128 * a->nv)); \
@@ -923,12 +938,19 @@ BF16 static void aq_group_params(const void *info, int64_t g, float *zsv) {
                         xp[i][t][h] = (__m512bh)_mm512_set1_epi32(pair);                     \
                     }                                                                        \
             }                                                                                \
+            /* the next block of rows into L1 in memory order as they go (one       \
+             * stream: each row's own prefetch made 2 NP streams) */                   \
+            int64_t pk = k + 2 * NP, pseg = 0;                                               \
             for (int64_t seg = 0; seg < a->nv; seg++) {                                    \
                 __mmask16 lanes = aq_lanes(a, seg);                                          \
+                UNROLL for (int i = 0; i < 2 * NP; i++) {                                    \
+                    if (pk < m->n_in)                                                        \
+                        _mm_prefetch((const char *)m->data + pk * rs + a->c0 / 2 + 64 * pseg, _MM_HINT_T0); \
+                    if (++pseg == a->nv) pseg = 0, pk++;                                     \
+                }                                                                            \
+                if (k == k0) gx_prefetch_params(m, g + 1, a->c0 + 128 * seg, a->n - 128 * seg < 128 ? a->n - 128 * seg : 128, ss); \
                 __m512i A[NP], B[NP];                                                        \
                 UNROLL for (int i = 0; i < NP; i++) {                                        \
-                    ffn_prefetch2((const char *)ra[i] + 64 * seg, a->ahead * rs);              \
-                    ffn_prefetch2((const char *)rb[i] + 64 * seg, a->ahead * rs);              \
                     A[i] = _mm512_maskz_loadu_epi32(lanes & use[i][0], ra[i] + 64 * seg);    \
                     B[i] = _mm512_maskz_loadu_epi32(lanes & use[i][1], rb[i] + 64 * seg);    \
                 }                                                                            \

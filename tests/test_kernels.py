@@ -225,6 +225,8 @@ def test_a_call_larger_than_one_batch() -> None:
     ("mxfp4", 1088, 640, {}), ("gptq", 1088, 768, {"group": 128, "g_idx": None}),
     ("gptq", 1088, 768, {"group": 24, "g_idx": None}),
     ("gptq", 1088, 768, {"group": 128, "g_idx": "act_order"}),
+    # act order with many groups: one token's call runs several panels of outputs
+    ("gptq", 1088, 2400, {"group": 16, "g_idx": "act_order"}),
     ("awq", 1088, 768, {"group": 128}), ("awq", 1088, 776, {"group": 10})])
 def test_wide_matrices_and_many_tokens(fmt: str, hidden: int, inter: int,
                                        options: dict[str, Any]) -> None:

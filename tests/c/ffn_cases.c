@@ -2,7 +2,7 @@
  * ffn_cases.c: runs coli_expert_ffn over experts described in a file, for
  * a build of the kernels on another architecture (arm64 under qemu-user).
  *
- *     ffn_cases CASES OUT
+ *     ffn_cases CASES OUT [FORMAT:IN_OUT ...]
  *
  * CASES (written by tests/test_neon_qemu.py, little-endian): "CFC1", u32
  * count, then per case: i32 fused, activation, x_format, out_format; f32
@@ -16,7 +16,10 @@
  * after another: every path but scalar that this CPU runs by default (the
  * process default path) on the calling thread, the same on a pool of three
  * threads, each token alone on the default path, and the scalar path.
- * Prints the default path's name; exits non-zero on any error.
+ * Prints the default path's name, then for each FORMAT:IN_OUT argument
+ * (ColiTensorFormat numbers; IN_OUT 1 for stored (in, out)) a line
+ * "kernel FORMAT IN_OUT NAME": the kernel the default path runs for it
+ * (coli_ffn_kernel_name). Exits non-zero on any error.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -148,7 +151,7 @@ static void run_case(Reader *r, FILE *out, int case_no, int isa, ColiComputePool
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) die("usage", "ffn_cases CASES OUT");
+    if (argc < 3) die("usage", "ffn_cases CASES OUT [FORMAT:IN_OUT ...]");
     Reader r = {fopen(argv[1], "rb"), argv[1]};
     if (!r.f) die(argv[1], "cannot open");
     FILE *out = fopen(argv[2], "wb");
@@ -167,5 +170,11 @@ int main(int argc, char **argv) {
     if (fclose(out) != 0) die(argv[2], "cannot write");
     fclose(r.f);
     printf("path %s: %u cases\n", coli_ffn_isa_name(isa), count);
+    for (int i = 3; i < argc; i++) {
+        int format, in_out;
+        if (sscanf(argv[i], "%d:%d", &format, &in_out) != 2) die(argv[i], "not FORMAT:IN_OUT");
+        const char *name = coli_ffn_kernel_name(isa, format, in_out);
+        printf("kernel %d %d %s\n", format, in_out, name ? name : "none");
+    }
     return 0;
 }
