@@ -39,6 +39,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import colibri.hf as hf  # noqa: E402
+from colibri.hf.attention import DECODE_SDPA  # noqa: E402
 import core_control  # noqa: E402
 from colibri.serve.engine import Engine, Sampling  # noqa: E402
 from colibri.serve.server import Server  # noqa: E402
@@ -292,7 +293,8 @@ def test_max_batch_1_runs_one_request_at_a_time(plain_model: Any, tokenizer: Any
         stats = engine.stats()
     finally:
         engine.shutdown(timeout=60)
-    assert plain_model.config._attn_implementation == "sdpa"      # max_batch 1 leaves the model as it is
+    # max_batch 1 leaves the model as colibri.hf made it
+    assert plain_model.config._attn_implementation == DECODE_SDPA
     for prompt, tokens in zip(prompts, got):
         text = tokenizer.decode(prompt + tokens, skip_special_tokens=True)
         assert text[len(tokenizer.decode(prompt, skip_special_tokens=True)):] == reference(prompt)[0]

@@ -9,6 +9,7 @@ from typing import Any
 from colibri.errors import ColibriError, FormatError
 from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED_MODEL_TYPES,
                                UnsupportedModelError, check_quantization, read_config)
+from colibri.hf.attention import use_decode_sdpa
 from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.loaders import register
 from colibri.hf.runtime import KERNELS, OneTokenBlas, RouterPilot, Runtime, experts_modules
@@ -31,6 +32,7 @@ def from_pretrained(
     kernels: str = "native",
     decode_blas: bool = True,
     pack_linears: bool = True,
+    decode_attention: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -52,8 +54,11 @@ def from_pretrained(
     ``pack_linears=False`` keeps those float layers with the native experts.
     ``decode_blas`` (a bfloat16 model, torch with MKL): a forward of one
     token runs with oneDNN off, so its bfloat16 linear layers take MKL's
-    matrix-vector product (:class:`~colibri.hf.runtime.OneTokenBlas`). Other
-    keywords go to :func:`colibri.open_store`.
+    matrix-vector product (:class:`~colibri.hf.runtime.OneTokenBlas`).
+    ``decode_attention`` (a model with transformers' SDPA attention): its
+    one-token steps of grouped-query attention run over the key/value heads
+    (:func:`~colibri.hf.attention.decode_sdpa`). Other keywords go to
+    :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
     weight; on any error nothing is left open. Close the store with
@@ -91,6 +96,8 @@ def from_pretrained(
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)
             model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
             model.colibri.decode_blas = True
+        if decode_attention:
+            use_decode_sdpa(model)
         return model
     except BaseException:
         store.close()

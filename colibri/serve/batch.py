@@ -16,9 +16,9 @@ masks and longer key ranges change the reductions. So the model runs with
 the ``"colibri_rows"`` attention (registered in transformers'
 ``AttentionInterface``), which, while a :class:`Layout` is active, computes
 attention for each prompt segment or each decode row by itself, with
-transformers' own SDPA function called on exactly the shapes a lone sequence
-has (its own keys, no mask, causal for a prompt). Outside a layout it is
-plain SDPA. Positions are each sequence's own. What a batch still changes is
+colibri.hf's SDPA function (:func:`colibri.hf.attention.decode_sdpa`) called
+on exactly the shapes a lone sequence has (its own keys, no mask, causal for
+a prompt). Outside a layout it is that function alone. Positions are each sequence's own. What a batch still changes is
 the row count of the matrix products (projections, experts, the LM head):
 CPU BLAS kernels may round a row differently depending on how many rows
 share the call (docs/serve.md says what was measured).
@@ -29,6 +29,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from colibri.hf.attention import DECODE_SDPA, decode_sdpa, register_sdpa_like
 
 __all__ = ["ATTENTION", "Layout", "batchable", "use_row_attention", "BatchCache", "new_cache"]
 
@@ -69,46 +71,27 @@ class active:
 
 def _row_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                    **kwargs: Any) -> tuple[Any, None]:
-    """transformers' SDPA, one sequence at a time while a :class:`Layout` is active."""
+    """colibri.hf's SDPA, one sequence at a time while a :class:`Layout` is active."""
     import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout: Layout | None = getattr(_current, "layout", None)
     if layout is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return decode_sdpa(module, query, key, value, attention_mask, **kwargs)
     outs = []
     if layout.segments is not None:
         # One row of packed prompts: each attends causally to its own keys only.
         for start, end in layout.segments:
-            out, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end],
+            out, _ = decode_sdpa(module, query[:, :, start:end], key[:, :, start:end],
                                             value[:, :, start:end], None, **kwargs)
             outs.append(out)
         return torch.cat(outs, dim=1), None
     assert layout.lengths is not None and len(layout.lengths) == query.shape[0]
     width = key.shape[2]
     for row, n in enumerate(layout.lengths):
-        out, _ = sdpa_attention_forward(module, query[row:row + 1], key[row:row + 1, :, width - n:],
+        out, _ = decode_sdpa(module, query[row:row + 1], key[row:row + 1, :, width - n:],
                                         value[row:row + 1, :, width - n:], None, **kwargs)
         outs.append(out)
     return torch.cat(outs, dim=0), None
-
-
-_registered = False
-_register_lock = threading.Lock()
-
-
-def _register() -> None:
-    global _registered
-    with _register_lock:
-        if _registered:
-            return
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionInterface.register(ATTENTION, _row_attention)
-        # Outside a layout the function is SDPA, so it gets SDPA's masks.
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-        _registered = True
 
 
 def batchable(model: Any) -> str | None:
@@ -119,7 +102,7 @@ def batchable(model: Any) -> str | None:
     the way :class:`BatchCache` does)."""
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", ATTENTION):
+    if impl not in ("sdpa", DECODE_SDPA, ATTENTION):
         return f"its attention implementation is {impl!r}, not 'sdpa'"
     types = set(getattr(config, "layer_types", None) or ())
     if types - {"full_attention"}:
@@ -131,7 +114,8 @@ def batchable(model: Any) -> str | None:
 
 def use_row_attention(model: Any) -> None:
     """Switch ``model`` (SDPA, see :func:`batchable`) to the row attention."""
-    _register()
+    # Outside a layout the function is SDPA, so it gets SDPA's masks.
+    register_sdpa_like(ATTENTION, _row_attention)
     model.set_attn_implementation(ATTENTION)
 
 
