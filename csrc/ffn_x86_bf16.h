@@ -37,7 +37,8 @@
  * sum |x| per group, far inside the bfloat16 bound.
  *
  * A few tokens stream the weights, several rows side by side; MXFP4 with
- * more tokens decodes rows once into a tile (its decode competes with the
+ * more tokens decodes rows once into a tile, a slice of inputs at a time,
+ * the chains waiting in scratch between slices (its decode competes with the
  * products; int4's does not, so int4 streams for every batch, a block of
  * tokens at a time, the rows' bytes in L1). Every loop performs the sums
  * above, so a token's bits do not depend on its batch.
