@@ -38,8 +38,9 @@ from colibri._ffi import LeaseBase, copy_views, ffi, lib
 from colibri.errors import ColibriError, error_for
 from colibri.checkpoint.experts import ExpertTensors
 from colibri.formats import GPTQ
+from colibri.linear import PackedWeight
 
-__all__ = ["expert_ffn", "experts_ffn", "moe_ffn", "moe_combine", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
+__all__ = ["expert_ffn", "experts_ffn", "linear", "moe_ffn", "moe_combine", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
            "set_isa", "kernel_name", "set_threads", "default_threads"]
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gpt_oss")
@@ -275,37 +276,38 @@ class _Operand:
         self.nbytes_span = ((self.tokens - 1) * self.stride + hidden) * (4 if code == lib.COLI_TENSOR_F32 else 2)
 
 
-def _new_like(x: _Operand) -> Any:
+def _new_like(x: _Operand, columns: int | None = None) -> Any:
+    """An array of x's kind, dtype and tokens; rows of ``columns`` (None: x's)."""
+    shape = x.shape if columns is None else (*x.shape[:-1], columns)
     if x.torch:
         import torch
 
-        return torch.empty(x.shape, dtype=x.value.dtype)
-    return np.empty(x.shape, dtype=x.value.dtype)
+        return torch.empty(shape, dtype=x.value.dtype)
+    return np.empty(shape, dtype=x.value.dtype)
 
 
 def _overlap(a: _Operand, b: _Operand) -> bool:
     return a.address < b.address + b.nbytes_span and b.address < a.address + a.nbytes_span
 
 
-def _operands(x: Any, out: Any, hidden: int) -> tuple[_Operand, _Operand, Any]:
-    """x and out (made like x when None), checked against each other."""
+def _operands(x: Any, out: Any, hidden: int, outputs: int | None = None) -> tuple[_Operand, _Operand, Any]:
+    """x and out (made like x when None), checked against each other; rows
+    of out are ``outputs`` long (None: ``hidden``, the shape of x)."""
     xo = _Operand(x, "x", hidden, writable=False)
     if out is None:
-        out = _new_like(xo)
-    oo = _Operand(out, "out", hidden, writable=True)
+        out = _new_like(xo, outputs)
+    oo = _Operand(out, "out", outputs or hidden, writable=True)
     if oo.torch != xo.torch or oo.tokens != xo.tokens or len(oo.shape) != len(xo.shape):
+        rows = "" if outputs is None else f" but for rows of {outputs} values"
         raise ValueError(f"out ({type(out).__name__} {list(oo.shape)}) must be the same kind and "
-                         f"shape as x ({type(x).__name__} {list(xo.shape)})")
+                         f"shape as x ({type(x).__name__} {list(xo.shape)}){rows}")
     if _overlap(xo, oo):
         raise ValueError("out overlaps x")
     return xo, oo, out
 
 
-def _run(handle: Any, views: Any, count: int, rows: Any, xo: _Operand, oo: _Operand,
-         activation: str, threads: int | None, isa: str | None, alpha: float, limit: float) -> None:
-    """One coli_store_expert_ffn call (the GIL is released for it)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
+def _call(xo: _Operand, oo: _Operand, threads: int | None, isa: str | None) -> tuple[Any, Any]:
+    """The ``ColiFfnCall *`` of x and out, and the compute pool of ``threads``."""
     threads = default_threads(xo.torch) if threads is None else _check_threads(threads)
     number = _isa_number(isa) if isa is not None else (
         _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
@@ -313,9 +315,18 @@ def _run(handle: Any, views: Any, count: int, rows: Any, xo: _Operand, oo: _Oper
         "x": ffi.cast("const void *", xo.address), "x_format": xo.code, "x_stride": xo.stride,
         "out": ffi.cast("void *", oo.address), "out_format": oo.code, "out_stride": oo.stride,
         "tokens": xo.tokens, "isa": number})
+    return call, _pool(threads)
+
+
+def _run(handle: Any, views: Any, count: int, rows: Any, xo: _Operand, oo: _Operand,
+         activation: str, threads: int | None, isa: str | None, alpha: float, limit: float) -> None:
+    """One coli_store_expert_ffn call (the GIL is released for it)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
+    call, pool = _call(xo, oo, threads, isa)
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_store_expert_ffn(handle, views, count, rows, call, ACTIVATIONS.index(activation),
-                                   alpha, limit, _pool(threads), err, _ERR_LEN)
+                                   alpha, limit, pool, err, _ERR_LEN)
     if rc < 0:
         raise error_for(rc, ffi.string(err).decode(errors="replace"))
 
@@ -344,6 +355,47 @@ def expert_ffn(lease: Any, x: Any, *, activation: str = "silu", out: Any = None,
     _run(handle, ffi.cast("ColiExpertView *", address), 1, ffi.NULL, xo, oo, activation, threads,
          isa, alpha, limit)
     return out
+
+
+def linear(weight: PackedWeight, x: Any, *, out: Any = None, threads: int | None = None,
+           isa: str | None = None) -> Any:
+    """``out = x W^T (+ bias)`` for a :class:`~colibri.linear.PackedWeight`
+    ``W`` of shape ``(outputs, inputs)``, computed from its stored bytes (no
+    float copy of ``W``). ``x``: ``(tokens, inputs)`` or ``(inputs,)``,
+    float32 or bfloat16, a numpy array or a CPU torch tensor, rows
+    contiguous; ``out``: ``(tokens, outputs)`` (or ``(outputs,)``) of the
+    same kind, float32 or bfloat16, by default new of ``x``'s dtype.
+    ``threads`` and ``isa`` as :func:`expert_ffn` (the same compute pools).
+    Returns ``out``."""
+    n_out, n_in = weight.shape
+    code = _torch_rows(x, n_in) if out is None and isa is None else -1
+    if code >= 0:  # a model's forward: checked here in a few attribute reads
+        out = x.new_empty((*x.shape[:-1], n_out))
+        tokens = x.numel() // n_in
+        call = ffi.new("ColiFfnCall *", {
+            "x": ffi.cast("const void *", x.data_ptr()), "x_format": code, "x_stride": n_in,
+            "out": ffi.cast("void *", out.data_ptr()), "out_format": code, "out_stride": n_out,
+            "tokens": tokens, "isa": _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO})
+        pool = _pool(default_threads(True) if threads is None else _check_threads(threads))
+    else:
+        xo, oo, out = _operands(x, out, n_in, n_out)
+        call, pool = _call(xo, oo, threads, isa)
+    err = ffi.new("char[]", _ERR_LEN)
+    rc = lib.coli_linear(weight.matrix(), call, pool, err, _ERR_LEN)
+    if rc < 0:
+        raise error_for(rc, ffi.string(err).decode(errors="replace"))
+    return out
+
+
+def _torch_rows(x: Any, n_in: int) -> int:
+    """The format code of ``x`` when it is a contiguous CPU torch tensor of
+    one or more rows of ``n_in`` float32 or bfloat16 values, else -1."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor) or not x.is_cpu or x.dim() not in (1, 2) \
+            or x.shape[-1] != n_in or not x.numel() or not x.is_contiguous():
+        return -1
+    code: int = _codes("float32", "bfloat16").get(x.dtype, -1)
+    return code
 
 
 def _released(lease: Any) -> ColibriError:

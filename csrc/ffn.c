@@ -11,6 +11,9 @@
  *   3. down outputs, split over the threads, into the output (bias added,
  *      rounded to bfloat16 when the output is).
  *
+ * coli_linear runs phase 0 and the first phase's kernels alone, for one
+ * matrix whose sums (plus bias) are the output.
+ *
  * Buffers scale with the tokens of a batch; a call with more tokens than
  * one batch holds runs batch after batch (each re-reading the weights,
  * which at that size costs little next to the products). A token's result
@@ -317,6 +320,22 @@ static int describe(ColiFfnMat *m, const ColiFfnMatrix *src, const char *what, c
     }
 }
 
+/* The call's tokens and operands: rows of n_in values in, n_out out. */
+static int check_io(const ColiFfnCall *c, int64_t n_in, int64_t n_out, char *err, size_t err_len) {
+    if (c->tokens < 1 || !c->x || !c->out)
+        return coli_fail(err, err_len, COLI_EINVAL, "call: %lld tokens, x %p, out %p",
+                         (long long)c->tokens, c->x, c->out);
+    if ((c->x_format != COLI_TENSOR_F32 && c->x_format != COLI_TENSOR_BF16) ||
+        (c->out_format != COLI_TENSOR_F32 && c->out_format != COLI_TENSOR_BF16))
+        return coli_fail(err, err_len, COLI_EINVAL, "x and out must be F32 or BF16 (formats %d "
+                         "and %d)", (int)c->x_format, (int)c->out_format);
+    if (c->x_stride < n_in || c->out_stride < n_out)
+        return coli_fail(err, err_len, COLI_EINVAL, "row strides %lld (x) and %lld (out) are "
+                         "shorter than the rows, %lld in and %lld out", (long long)c->x_stride,
+                         (long long)c->out_stride, (long long)n_in, (long long)n_out);
+    return COLI_OK;
+}
+
 static int check_call(const ColiFfnExpert *e, const ColiFfnCall *c, const ColiFfnMat *gate,
                       const ColiFfnMat *down, char *err, size_t err_len) {
     if (e->activation != COLI_FFN_ACT_SILU && e->activation != COLI_FFN_ACT_GPT_OSS)
@@ -331,18 +350,7 @@ static int check_call(const ColiFfnExpert *e, const ColiFfnCall *c, const ColiFf
                          "gate's hidden %lld and intermediate %lld need %lld x %lld",
                          (long long)down->n_out, (long long)down->n_in, (long long)gate->n_in,
                          (long long)inter, (long long)gate->n_in, (long long)inter);
-    if (c->tokens < 1 || !c->x || !c->out)
-        return coli_fail(err, err_len, COLI_EINVAL, "call: %lld tokens, x %p, out %p",
-                         (long long)c->tokens, c->x, c->out);
-    if ((c->x_format != COLI_TENSOR_F32 && c->x_format != COLI_TENSOR_BF16) ||
-        (c->out_format != COLI_TENSOR_F32 && c->out_format != COLI_TENSOR_BF16))
-        return coli_fail(err, err_len, COLI_EINVAL, "x and out must be F32 or BF16 (formats %d "
-                         "and %d)", (int)c->x_format, (int)c->out_format);
-    if (c->x_stride < gate->n_in || c->out_stride < gate->n_in)
-        return coli_fail(err, err_len, COLI_EINVAL, "row strides %lld (x) and %lld (out) are "
-                         "shorter than hidden %lld", (long long)c->x_stride,
-                         (long long)c->out_stride, (long long)gate->n_in);
-    return COLI_OK;
+    return check_io(c, gate->n_in, gate->n_in, err, err_len);
 }
 
 /* ------------------------------------------------------------ one call */
@@ -382,10 +390,12 @@ typedef struct {
     int64_t hidden, inter;
     int64_t t0, tokens;         /* this batch */
     float *gu;                  /* tokens x 2 inter: gate then up (or the fused order) */
-    float *y;                   /* BF16 output: tokens x hidden sums; NULL: into out */
+    float *y;                   /* BF16 output: tokens x y_cols sums; NULL: into out */
+    int64_t y_cols;             /* outputs of the last matrix (hidden; a linear's n_out) */
     uint8_t *scratch;           /* per thread */
     size_t scratch_bytes, kernel_bytes, temp_bytes;
-    int by_units;               /* one barrier: inputs per thread, gate and up by units */
+    int by_units;               /* inputs per thread (a few tokens); an expert's gate and up
+                                 * then split by units, one barrier */
     int64_t unit_step;          /* intermediate units per step of that split */
     size_t in_bytes;            /* the inputs' bytes: each thread's copy that far from the last */
 } Run;
@@ -509,17 +519,18 @@ static void run_units(const Run *run, const MatJob *j, const Input *in, const fl
     run_rows(run, j, in, xs, a * j->k->unit, b * j->k->unit, scratch);
 }
 
-/* Down's outputs [n0, n1) of the batch from its sums into the call's output. */
+/* The last matrix's outputs [n0, n1) of the batch from its sums into the
+ * call's output. */
 static void store_output(const Run *run, int64_t n0, int64_t n1) {
     if (!run->y) return;  /* F32: the sums were the output */
     const ColiFfnCall *c = run->c;
     for (int64_t t = 0; t < run->tokens; t++) {
         uint16_t *dst = (uint16_t *)c->out + (run->t0 + t) * c->out_stride;
         if (run->conv) {
-            run->conv->to_bf16(run->y + t * run->hidden + n0, dst + n0, n1 - n0);
+            run->conv->to_bf16(run->y + t * run->y_cols + n0, dst + n0, n1 - n0);
             continue;
         }
-        for (int64_t n = n0; n < n1; n++) dst[n] = coli_f32_to_bf16(run->y[t * run->hidden + n]);
+        for (int64_t n = n0; n < n1; n++) dst[n] = coli_f32_to_bf16(run->y[t * run->y_cols + n]);
     }
 }
 
@@ -561,6 +572,17 @@ static void first_by_units(const Run *run, const Input *in, int64_t a, int64_t b
     }
 }
 
+/* This thread's copy of the inputs (in_bytes on from the last thread's),
+ * loaded with every token of the batch. */
+static void own_inputs(const Run *run, int thread, Input mine[2], float *tmp) {
+    for (int i = 0; i < run->n_in; i++) {
+        mine[i] = run->in[i];
+        mine[i].x = (uint8_t *)mine[i].x + (size_t)thread * run->in_bytes;
+        if (mine[i].xs) mine[i].xs = (float *)((uint8_t *)mine[i].xs + (size_t)thread * run->in_bytes);
+    }
+    load_inputs(run, mine, tmp, 0, run->tokens);
+}
+
 static void run_thread(void *ctx, int thread, int threads) {
     const Run *run = ctx;
     uint8_t *scratch = run->scratch + (size_t)thread * run->scratch_bytes;
@@ -571,12 +593,7 @@ static void run_thread(void *ctx, int thread, int threads) {
          * gate and up rows of its intermediate units and their activation:
          * one barrier, before down. */
         Input mine[2];
-        for (int i = 0; i < run->n_in; i++) {
-            mine[i] = run->in[i];
-            mine[i].x = (uint8_t *)mine[i].x + (size_t)thread * run->in_bytes;
-            if (mine[i].xs) mine[i].xs = (float *)((uint8_t *)mine[i].xs + (size_t)thread * run->in_bytes);
-        }
-        load_inputs(run, mine, tmp, 0, run->tokens);
+        own_inputs(run, thread, mine, tmp);
         split(coli_ffn_round_up(run->inter, run->unit_step) / run->unit_step, thread, threads, &lo, &hi);
         int64_t a = lo * run->unit_step, b = hi * run->unit_step < run->inter ? hi * run->unit_step : run->inter;
         if (a < b) {
@@ -609,6 +626,28 @@ static void run_thread(void *ctx, int thread, int threads) {
     run_units(run, &run->down, &run->h, hs, lo, hi, scratch);
     int64_t unit = run->down.k->unit;
     store_output(run, lo * unit, hi * unit < run->hidden ? hi * unit : run->hidden);
+}
+
+/* One matrix: the inputs (per thread for a few tokens, else split and one
+ * barrier), then its outputs split over the threads. */
+static void linear_thread(void *ctx, int thread, int threads) {
+    const Run *run = ctx;
+    uint8_t *scratch = run->scratch + (size_t)thread * run->scratch_bytes;
+    float *tmp = (float *)(scratch + run->kernel_bytes);
+    const MatJob *j = &run->first[0];
+    Input mine[2];
+    int64_t lo, hi;
+    if (run->by_units) {
+        own_inputs(run, thread, mine, tmp);
+    } else {
+        split(run->tokens, thread, threads, &lo, &hi);
+        load_inputs(run, run->in, tmp, lo, hi);
+        coli_compute_pool_barrier(run->pool);
+        mine[0] = run->in[0];
+    }
+    split(j->units, thread, threads, &lo, &hi);
+    run_units(run, j, &mine[0], mine[0].xs, lo, hi, scratch);
+    store_output(run, lo * j->k->unit, hi * j->k->unit < run->y_cols ? hi * j->k->unit : run->y_cols);
 }
 
 /* The step (in intermediate units) that splits gate and up between threads
@@ -669,9 +708,9 @@ static int64_t batch_tokens(int64_t tokens, int64_t per_token_floats) {
     return tokens < cap ? tokens : cap;
 }
 
-/* Lays out the batch buffers in block; returns its bytes (block NULL: only counts). */
 /* Lays out the batch buffers in block; returns its bytes (block NULL: only
- * counts). With by_units, the inputs come once per thread. */
+ * counts). With by_units, the inputs come once per thread. A linear has
+ * no activations (h.k NULL) and no intermediate. */
 static size_t layout(Run *run, int64_t batch, int threads, uint8_t *block) {
     size_t off = 0;
 #define TAKE(ptr, type, count)                                         \
@@ -687,26 +726,42 @@ static size_t layout(Run *run, int64_t batch, int threads, uint8_t *block) {
     }
     run->in_bytes = off;
     if (run->by_units) off += run->in_bytes * (size_t)(threads - 1);
-    if (run->h.k->x_type != COLI_FFN_X_F32) TAKE(run->h.x, uint16_t, batch * run->h.ldx);
-    else TAKE(run->h.x, float, batch * run->h.ldx);
-    TAKE(run->gu, float, batch * 2 * run->inter);
-    if (run->c->out_format == COLI_TENSOR_BF16) TAKE(run->y, float, batch * run->hidden);
+    if (run->h.k && run->h.k->x_type != COLI_FFN_X_F32) TAKE(run->h.x, uint16_t, batch * run->h.ldx);
+    else if (run->h.k) TAKE(run->h.x, float, batch * run->h.ldx);
+    if (run->inter) TAKE(run->gu, float, batch * 2 * run->inter);
+    if (run->c->out_format == COLI_TENSOR_BF16) TAKE(run->y, float, batch * run->y_cols);
     TAKE(run->scratch, uint8_t, 0);
 #undef TAKE
     return off;
 }
 
+/* The batch buffers, laid out in one block, and each thread's scratch
+ * after them; NULL when out of memory (total: the bytes asked for). */
+static void *run_block(Run *run, int64_t batch, int threads, size_t *total) {
+    size_t shared = layout(run, batch, threads, NULL);
+    *total = shared + run->scratch_bytes * (size_t)threads;
+    void *block = NULL;
+    if (posix_memalign(&block, 64, *total)) return NULL;
+    layout(run, batch, threads, block);
+    /* Padding positions of the inputs stay zero: they meet zero weights. */
+    memset(block, 0, shared);
+    return block;
+}
+
+/* The call's path (AUTO: the default), or a negative COLI_E* code. */
+static int resolve_isa(int isa, char *err, size_t err_len) {
+    if (isa == COLI_FFN_ISA_AUTO) return coli_ffn_isa_default(err, err_len);
+    if (!coli_ffn_isa_supported(isa))
+        return coli_fail(err, err_len, COLI_EINVAL, "kernel path %d (%s) is not one this CPU and "
+                         "build can run", isa, coli_ffn_isa_name(isa) ? coli_ffn_isa_name(isa) : "?");
+    return isa;
+}
+
 int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePool *pool,
                     char *err, size_t err_len) {
     if (!e || !c) return coli_fail(err, err_len, COLI_EINVAL, "expert ffn: NULL expert or call");
-    int isa = c->isa;
-    if (isa == COLI_FFN_ISA_AUTO) {
-        isa = coli_ffn_isa_default(err, err_len);
-        if (isa < 0) return isa;
-    } else if (!coli_ffn_isa_supported(isa)) {
-        return coli_fail(err, err_len, COLI_EINVAL, "kernel path %d (%s) is not one this CPU and "
-                         "build can run", isa, coli_ffn_isa_name(isa) ? coli_ffn_isa_name(isa) : "?");
-    }
+    int isa = resolve_isa(c->isa, err, err_len);
+    if (isa < 0) return isa;
     if (e->fused != COLI_FFN_SEPARATE && e->fused != COLI_FFN_CONCATENATED &&
         e->fused != COLI_FFN_INTERLEAVED)
         return coli_fail(err, err_len, COLI_EINVAL, "fused %d is not one of COLI_FFN_*", e->fused);
@@ -732,7 +787,7 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
     run.act = act_for(isa);
     run.conv = conv_for(isa);
     run.pool = pool;
-    run.hidden = mats[0].n_in;
+    run.hidden = run.y_cols = mats[0].n_in;
     run.inter = e->fused ? mats[0].n_out / 2 : mats[0].n_out;
     run.n_first = e->fused ? 1 : 2;
     const ColiFfnMatrix *srcs[3] = {&e->gate, e->fused ? NULL : &e->up, &e->down};
@@ -775,17 +830,13 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
     /* A few tokens run with one barrier when gate and up split on their units. */
     run.unit_step = unit_step(&run);
     run.by_units = run.unit_step > 0 && c->tokens <= COLI_FFN_OWN_INPUTS;
-    size_t shared = layout(&run, batch, threads, NULL);
-    size_t total = shared + run.scratch_bytes * (size_t)threads;
-    void *block = NULL;
-    if (posix_memalign(&block, 64, total)) {
+    size_t total;
+    void *block = run_block(&run, batch, threads, &total);
+    if (!block) {
         free(bias_block);
         return coli_fail(err, err_len, COLI_ENOMEM, "expert ffn: out of memory for %lld tokens "
                          "(%zu bytes of buffers)", (long long)batch, total);
     }
-    layout(&run, batch, threads, block);
-    /* Padding positions of the inputs stay zero: they meet zero weights. */
-    memset(block, 0, shared);
     for (int i = 0; i < run.n_first; i++) {
         run.first[i].dst = run.gu + i * run.inter;
         run.first[i].ld_dst = 2 * run.inter;
@@ -800,6 +851,68 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
             run.down.ld_dst = c->out_stride;
         }
         coli_compute_pool_run(pool, run_thread, &run);
+    }
+    free(block);
+    free(bias_block);
+    return COLI_OK;
+}
+
+/* A linear is the first phase of an expert alone: one matrix, its inputs
+ * prepared as gate's are, its sums (plus bias) the output. */
+static void linear_setup(Run *run, const ColiFfnMat *m, int isa, int64_t *batch) {
+    MatJob *j = &run->first[0];
+    j->m = m;
+    j->k = kernel_for(isa, m, run->c->x_format == COLI_TENSOR_BF16 ? COLI_FFN_INPUT_BF16
+                                                                   : COLI_FFN_INPUT_F32);
+    j->units = ceil_div(m->n_out, j->k->unit);
+    run->n_first = run->n_in = 1;
+    run->in[0] = (Input){j->k, m, NULL, input_ld(j->k, m->n_in), NULL};
+    run->hidden = m->n_in;
+    run->y_cols = m->n_out;
+    int64_t per_token = input_floats(&run->in[0]) +
+                        (run->c->out_format == COLI_TENSOR_BF16 ? m->n_out : 0);
+    *batch = batch_tokens(run->c->tokens, per_token);
+    run->kernel_bytes = align64(j->k->scratch(m, 0, m->n_out, (int)*batch));
+    run->temp_bytes = align64(sizeof(float) * (size_t)m->n_in);
+    run->scratch_bytes = run->kernel_bytes + run->temp_bytes;
+    run->by_units = run->c->tokens <= COLI_FFN_OWN_INPUTS;
+}
+
+int coli_linear(const ColiFfnMatrix *src, const ColiFfnCall *c, ColiComputePool *pool, char *err,
+                size_t err_len) {
+    if (!src || !c) return coli_fail(err, err_len, COLI_EINVAL, "linear: NULL matrix or call");
+    int isa = resolve_isa(c->isa, err, err_len);
+    if (isa < 0) return isa;
+    ColiFfnMat m;
+    int rc = describe(&m, src, "linear", err, err_len);
+    if (!rc) rc = check_io(c, m.n_in, m.n_out, err, err_len);
+    if (rc) return rc;
+    Run run;
+    memset(&run, 0, sizeof run);
+    run.c = c;
+    run.conv = conv_for(isa);
+    run.pool = pool;
+    int64_t batch;
+    linear_setup(&run, &m, isa, &batch);
+    const ColiFfnMatrix *srcs[3] = {src, NULL, NULL};
+    const ColiFfnMat *mp[3] = {&m, NULL, NULL};
+    float *bias[3];
+    float *bias_block = float_biases(srcs, mp, bias);
+    if (src->bias && !bias_block)
+        return coli_fail(err, err_len, COLI_ENOMEM, "linear: out of memory for the bias");
+    run.first[0].bias = bias[0];
+    size_t total;
+    void *block = run_block(&run, batch, coli_compute_pool_threads(pool), &total);
+    if (!block) {
+        free(bias_block);
+        return coli_fail(err, err_len, COLI_ENOMEM, "linear: out of memory for %lld tokens "
+                         "(%zu bytes of buffers)", (long long)batch, total);
+    }
+    for (run.t0 = 0; run.t0 < c->tokens; run.t0 += batch) {
+        run.tokens = c->tokens - run.t0 < batch ? c->tokens - run.t0 : batch;
+        run.first[0].dst = run.y ? run.y : (float *)c->out + run.t0 * c->out_stride;
+        run.first[0].ld_dst = run.y ? run.y_cols : c->out_stride;
+        coli_compute_pool_run(pool, linear_thread, &run);
     }
     free(block);
     free(bias_block);

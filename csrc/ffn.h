@@ -105,9 +105,10 @@ typedef struct {
     float limit;                /* gpt-oss: the clamp (7.0) */
 } ColiFfnExpert;
 
-/* One call: tokens rows of x (hidden each) in, tokens rows of out (hidden
- * each) out. x and out are F32 or BF16; strides count elements between
- * rows (>= hidden). out must not overlap x. */
+/* One call: tokens rows of x (hidden each; a linear's inputs) in, tokens
+ * rows of out (hidden each; a linear's outputs) out. x and out are F32 or
+ * BF16; strides count elements between rows (>= the row). out must not
+ * overlap x. */
 typedef struct {
     const void *x;
     ColiTensorFormat x_format;
@@ -132,6 +133,14 @@ int coli_compute_pool_threads(const ColiComputePool *pool);
  * touches no Python object. */
 int coli_expert_ffn(const ColiFfnExpert *expert, const ColiFfnCall *call, ColiComputePool *pool,
                     char *err, size_t err_len);
+
+/* One matrix alone: out = W x (+ bias) for call->tokens tokens, W described
+ * as an expert's matrix is (any format and orientation the expert kernels
+ * compute), x rows of its inputs and out rows of its outputs. A token's
+ * result does not depend on the batch or the threads (only on the path).
+ * The GIL-free entry: it touches no Python object. */
+int coli_linear(const ColiFfnMatrix *matrix, const ColiFfnCall *call, ColiComputePool *pool,
+                char *err, size_t err_len);
 
 /* 1 if this build has the path and this CPU runs it, else 0. */
 int coli_ffn_isa_supported(int isa);

@@ -188,7 +188,11 @@ def test_fp8_block_scaled_checkpoint(tmp_path, arch: str) -> None:
         with store.lease(layer, 0) as ex:
             assert str(ex.gate.dtype) == "float8_e4m3fn" and ex.gate_scale is not None
     ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    model = hf.from_pretrained(path, slots_per_layer=1)
+    # The stock attention is the FP8 weights rounded to bfloat16; colibri's
+    # packed layers (exact, tests/test_hf_linears.py) flip a near-tie router
+    # choice at one position of this batch, so the experts are compared here
+    # with the stock attention.
+    model = hf.from_pretrained(path, slots_per_layer=1, pack_linears=False)
     try:
         assert model.dtype == ref.dtype == torch.bfloat16
         assert not hasattr(model.config, "quantization_config")

@@ -37,6 +37,7 @@ __all__ = [
     "resolve_files",
     "read_model_tensors",
     "read_ints",
+    "read_array",
 ]
 
 # Same order of magnitude as safetensors' own limit; real headers are < 10 MB.
@@ -475,16 +476,29 @@ def read_ints(info: TensorInfo, max_bytes: int, expected: str) -> np.ndarray:
     """The values of a small I32 or I64 tensor (a ``weight_shape``) in its
     shape, read from its file. FormatError naming the tensor, saying it must
     be ``expected``, when it has another dtype or more than ``max_bytes``."""
-    dt = dtypes.lookup(info.dtype)
-    if info.dtype not in ("I32", "I64") or info.nbytes > max_bytes or dt is None or dt.numpy is None:
+    if info.dtype not in ("I32", "I64") or info.nbytes > max_bytes:
         raise FormatError(f"tensor {info.name!r} ({info.path}) must be {expected}, not "
+                          f"{info.dtype}{list(info.shape)}")
+    return read_array(info)
+
+
+def read_array(info: TensorInfo) -> np.ndarray:
+    """A tensor's values in its shape and numpy dtype (bfloat16 and fp8
+    through ml_dtypes), read from its file into a new writable array.
+    FormatError for a dtype numpy cannot hold or a file that ends early."""
+    dt = dtypes.lookup(info.dtype)
+    if dt is None or dt.numpy is None:
+        raise FormatError(f"tensor {info.name!r} ({info.path}) is {info.dtype}, which numpy cannot hold")
+    out = np.empty(info.shape, dtype=dt.numpy.newbyteorder("<"))
+    if out.nbytes != info.nbytes:
+        raise FormatError(f"tensor {info.name!r} ({info.path}): {info.nbytes} bytes for "
                           f"{info.dtype}{list(info.shape)}")
     try:
         with open(info.path, "rb") as f:
             f.seek(info.offset)
-            raw = f.read(info.nbytes)
+            got = f.readinto(out.reshape(-1).view(np.uint8).data)
     except OSError as exc:
         raise FormatError(f"cannot read {info.name!r} from {info.path}: {exc}") from None
-    if len(raw) != info.nbytes:
+    if got != info.nbytes:
         raise FormatError(f"{info.path} ends inside tensor {info.name!r}")
-    return np.frombuffer(raw, dtype=dt.numpy.newbyteorder("<")).reshape(info.shape)
+    return out

@@ -36,7 +36,9 @@ dequantized when leased. compressed-tensors checkpoints whose routed experts
 are ``pack-quantized`` int4 load through transformers' compressed-tensors
 loader in its dequantize mode (whatever else the checkpoint quantizes is
 dequantized at load by compressed-tensors' own code), minus the routed
-experts, each dequantized when leased. :data:`ACCEPTED_QUANT_METHODS` is the
+experts, each dequantized when leased. With ``kernels="native"`` (the
+default) each non-expert linear layer stored packed (int4 or FP8 blocks) is
+then computed from the checkpoint's bytes instead (:mod:`colibri.hf.linears`). :data:`ACCEPTED_QUANT_METHODS` is the
 table of the ``quant_method`` values accepted.
 
 Supported: transformers 5.x with the experts interface (tested on 5.24), and
@@ -45,7 +47,9 @@ the architectures in :data:`SUPPORTED_MODEL_TYPES`. See docs/hf.md.
 The package, one job per module: :mod:`~colibri.hf.accept` (what it
 accepts), :mod:`~colibri.hf.loaders` (the hooks registered with
 transformers), :mod:`~colibri.hf.runtime` (the runtime and the experts'
-forward) and :mod:`~colibri.hf.pretrained` (:func:`from_pretrained`).
+forward), :mod:`~colibri.hf.linears` (the checkpoint's packed non-expert
+linear layers, computed from their bytes) and :mod:`~colibri.hf.pretrained`
+(:func:`from_pretrained`).
 """
 
 from __future__ import annotations

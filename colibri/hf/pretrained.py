@@ -9,6 +9,7 @@ from typing import Any
 from colibri.errors import ColibriError, FormatError
 from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED_MODEL_TYPES,
                                UnsupportedModelError, check_quantization, read_config)
+from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.loaders import register
 from colibri.hf.runtime import KERNELS, OneTokenBlas, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
@@ -29,6 +30,7 @@ def from_pretrained(
     torch_dtype: Any = None,
     kernels: str = "native",
     decode_blas: bool = True,
+    pack_linears: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -41,9 +43,13 @@ def from_pretrained(
     ``torch_dtype`` is transformers' ``dtype`` (None: what
     ``AutoModelForCausalLM.from_pretrained`` picks). ``kernels="native"``
     (the default) computes every routed expert with colibri's kernels
-    straight from its slot, whatever its format; ``"torch"`` dequantizes
-    each leased expert into torch tensors and runs the module's own code
-    (the path before the kernels, for comparison and as a fallback).
+    straight from its slot, whatever its format, and every other linear
+    layer the checkpoint stores as pack-quantized int4 or block-scaled FP8
+    straight from those bytes (:func:`~colibri.hf.linears.pack_linears`);
+    ``"torch"`` dequantizes each leased expert into torch tensors and runs
+    the module's own code, and keeps the loader's float linear layers (the
+    path before the kernels, for comparison and as a fallback);
+    ``pack_linears=False`` keeps those float layers with the native experts.
     ``decode_blas`` (a bfloat16 model, torch with MKL): a forward of one
     token runs with oneDNN off, so its bfloat16 linear layers take MKL's
     matrix-vector product (:class:`~colibri.hf.runtime.OneTokenBlas`). Other
@@ -78,6 +84,8 @@ def from_pretrained(
     try:
         model = _load(path, configs[loader], loader, torch_dtype)
         _attach(path, model, store, pilot_on, kernels)
+        if kernels == "native" and pack_linears:
+            model.colibri.packed_linears = swap_packed_linears(model, path)
         if decode_blas and OneTokenBlas.wanted(model):
             hooks = OneTokenBlas()
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)

@@ -101,6 +101,9 @@ class Runtime:
         self._position = {layer: i for i, layer in enumerate(moe_layers)}
         #: Called after each MoE layer with a :class:`LayerProgress` (e.g. a prefill progress bar).
         self.progress: Callable[[LayerProgress], None] | None = None
+        #: How many non-expert linear layers compute from the checkpoint's packed bytes
+        #: (colibri.hf.linears.pack_linears; 0 with kernels="torch").
+        self.packed_linears = 0
         #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
         self.decode_blas = False
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
