@@ -37,7 +37,8 @@
  * sum |x| per group, far inside the bfloat16 bound.
  *
  * A few tokens stream the weights, several rows side by side; MXFP4 with
- * more tokens decodes rows once into a tile (its decode competes with the
+ * more tokens decodes rows once into a tile, a slice of inputs at a time,
+ * the chains waiting in scratch between slices (its decode competes with the
  * products; int4's does not, so int4 streams for every batch, a block of
  * tokens at a time, the rows' bytes in L1). Every loop performs the sums
  * above, so a token's bits do not depend on its batch.
@@ -170,38 +171,65 @@ typedef void (*BfStreamFn)(const BfInfo *d, int64_t o0, int nr, const uint16_t *
 static const BfStreamFn BF_STREAM_FNS[2][BF_STREAM_TOKENS] = {{bf_stream_1_1, bf_stream_2_1},
                                                                {bf_stream_1_2, bf_stream_2_2}};
 
-/* Many tokens: BF_ROWS rows decoded into a tile (vector n of a row at word
- * 32n), then blocks of tokens over it, a chain at a time. */
-BF16 static void bf_decode_rows(const BfInfo *d, int64_t o0, int nr, uint16_t *tile, int64_t ld) {
+/* Many tokens: BF_ROWS rows, a slice of BT_SLICE blocks of inputs at a
+ * time, decoded into a tile (row r's vector n of the slice at word
+ * r * 64 BT_SLICE + 32 n), then every block of tokens over it, a chain at
+ * a time; the chains of every (token, row) wait in scratch between slices
+ * (a chain still takes its terms block after block). A tile of the rows'
+ * whole width (114 KiB for Mixtral's down) was read back from L2 by every
+ * block of tokens; the slice's tile stays in L1 (measured: slices of 16
+ * blocks 0.82x the time of whole rows at 16 tokens; 4, 8 and 32 blocks, or
+ * panels of 8 or 16 rows, slower). */
+enum { BT_SLICE = 16 };
+
+/* Blocks b0 .. b1 - 1 of rows o0 .. o0 + BF_ROWS - 1 into the tile (rows
+ * past nr repeat the first: their sums are not stored). The whole blocks
+ * from locals (the tile's stores would otherwise reload every field from
+ * the descriptions: measured 7 cycles a block), a last half block as the
+ * streaming kernels decode it. */
+BF16 static void bf_decode_slice(const BfInfo *d, int64_t o0, int nr, int64_t b0, int64_t b1,
+                                 uint16_t *tile) {
+    const uint8_t *const data = d->m->data, *const scales = d->m->scales;
+    const uint16_t *const mx = d->mx;
+    const int64_t groups = d->m->groups, row_bytes = d->row_bytes;
+    const int64_t bw = b1 < d->whole ? b1 : d->whole;
     for (int r = 0; r < BF_ROWS; r++) {
-        uint16_t *w = tile + r * ld;
-        if (r >= nr) {
-            memset(w, 0, sizeof(uint16_t) * (size_t)ld);
-            continue;
-        }
-        const uint8_t *row = d->m->data + (o0 + r) * d->row_bytes;
-        for (int64_t b = 0; b < d->blocks; b++) {
+        int64_t o = o0 + (r < nr ? r : 0);
+        uint16_t *w = tile + r * 64 * BT_SLICE - 64 * b0;
+        const uint8_t *row = data + o * row_bytes, *e = scales + o * groups;
+        for (int64_t b = b0; b < bw; b++) {
             __m512i a, bb;
             if (b % 2 == 0) _mm_prefetch((const char *)row + 32 * b + BF_AHEAD, _MM_HINT_T0);
-            bf_decode(bf_bytes(row, b, b < d->whole), bf_mx_table(d, o0 + r, b), &a, &bb);
+            __m512i tab = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(mx + 16 * e[2 * b]))),
+                _mm256_loadu_si256((const __m256i *)(mx + 16 * e[2 * b + 1])), 1);
+            bf_decode(_mm256_loadu_si256((const __m256i *)(row + 32 * b)), tab, &a, &bb);
+            _mm512_storeu_si512(w + 64 * b, a);
+            _mm512_storeu_si512(w + 64 * b + 32, bb);
+        }
+        for (int64_t b = bw; b < b1; b++) {
+            __m512i a, bb;
+            bf_decode(bf_bytes(row, b, 0), bf_mx_table(d, o, b), &a, &bb);
             _mm512_storeu_si512(w + 64 * b, a);
             _mm512_storeu_si512(w + 64 * b + 32, bb);
         }
     }
 }
 
-/* TB tokens by the tile's rows, NS parts: chain h of (t, r) to acc. */
+/* TB tokens by the tile's rows over nb blocks, NS parts: chain h of (t, r)
+ * from and back to acc[((t * BF_ROWS + r) * 2 + h) * 16]. */
 #define BT_KERNEL(TB, NS)                                                                    \
-    BF16 static void bt_##TB##_##NS(const BfInfo *d, const uint16_t *tile, int64_t ld,      \
-                                    const uint16_t *x, int64_t ldx, int64_t part, float *acc) { \
+    BF16 static void bt_##TB##_##NS(const uint16_t *tile, int64_t nb, const uint16_t *x,    \
+                                    int64_t ldx, int64_t part, float *acc) {                 \
         UNROLL for (int h = 0; h < 2; h++) {                                                 \
             __m512 a[TB][BF_ROWS];                                                           \
             UNROLL for (int t = 0; t < TB; t++)                                              \
-                UNROLL for (int r = 0; r < BF_ROWS; r++) a[t][r] = _mm512_setzero_ps();      \
-            for (int64_t b = 0; b < d->blocks; b++) {                                        \
+                UNROLL for (int r = 0; r < BF_ROWS; r++)                                     \
+                    a[t][r] = _mm512_loadu_ps(acc + ((t * BF_ROWS + r) * 2 + h) * 16);      \
+            for (int64_t b = 0; b < nb; b++) {                                               \
                 __m512bh w[BF_ROWS];                                                         \
                 UNROLL for (int r = 0; r < BF_ROWS; r++)                                     \
-                    w[r] = (__m512bh)_mm512_loadu_si512(tile + r * ld + 64 * b + 32 * h);    \
+                    w[r] = (__m512bh)_mm512_loadu_si512(tile + r * 64 * BT_SLICE + 64 * b + 32 * h); \
                 UNROLL for (int t = 0; t < TB; t++)                                          \
                     UNROLL for (int s = 0; s < NS; s++) {                                    \
                         __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * ldx + s * part +  \
@@ -212,7 +240,7 @@ BF16 static void bf_decode_rows(const BfInfo *d, int64_t o0, int nr, uint16_t *t
             }                                                                                \
             UNROLL for (int t = 0; t < TB; t++)                                              \
                 UNROLL for (int r = 0; r < BF_ROWS; r++)                                     \
-                    _mm512_storeu_ps(acc + ((t * BF_ROWS + r) * 2 + h) * 16, a[t][r]);       \
+                    _mm512_storeu_ps(acc + ((t * BF_ROWS + r) * 2 + h) * 16, a[t][r]);      \
         }                                                                                    \
     }
 BT_KERNEL(1, 1)
@@ -225,37 +253,43 @@ BT_KERNEL(3, 2)
 BT_KERNEL(4, 2)
 #undef BT_KERNEL
 
-typedef void (*BtFn)(const BfInfo *d, const uint16_t *tile, int64_t ld, const uint16_t *x,
-                     int64_t ldx, int64_t part, float *acc);
+typedef void (*BtFn)(const uint16_t *tile, int64_t nb, const uint16_t *x, int64_t ldx,
+                     int64_t part, float *acc);
 static const BtFn BT_FNS[2][BT_TOKENS] = {{bt_1_1, bt_2_1, bt_3_1, bt_4_1},
                                           {bt_1_2, bt_2_2, bt_3_2, bt_4_2}};
 
+/* Scratch of the tiled path: the tile, then the chains of every (token, row). */
 static size_t bf_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
-    (void)n0, (void)n1;
+    (void)m, (void)n0, (void)n1;
     if (tokens <= BF_STREAM_TOKENS) return 0;
-    int64_t blocks = (m->n_in + COLI_FFN_BLOCK - 1) / COLI_FFN_BLOCK;
-    return sizeof(uint16_t) * (size_t)(BF_ROWS * 64 * blocks) +
-           sizeof(float) * (size_t)(BT_TOKENS * BF_ROWS * 2 * 16);
+    return sizeof(uint16_t) * (size_t)(BF_ROWS * 64 * BT_SLICE) +
+           sizeof(float) * (size_t)(tokens * BF_ROWS * 2 * 16);
 }
 
 BF16 static void bf_tiled(const BfInfo *d, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
-    int64_t ld = 64 * d->blocks, part = ns == 2 ? task->ldx / 2 : 0;
+    int64_t part = ns == 2 ? task->ldx / 2 : 0;
     uint16_t *tile = (uint16_t *)task->scratch;
-    float *acc = (float *)(tile + BF_ROWS * ld);
+    float *acc = (float *)(tile + BF_ROWS * 64 * BT_SLICE);
     const uint16_t *x = (const uint16_t *)task->x;
+    const int64_t lda = BF_ROWS * 2 * 16;  /* a token's chains */
     for (int64_t o0 = n0; o0 < n1; o0 += BF_ROWS) {
         int nr = n1 - o0 < BF_ROWS ? (int)(n1 - o0) : BF_ROWS;
-        bf_decode_rows(d, o0, nr, tile, ld);
-        for (int t0 = 0; t0 < task->tokens; t0 += BT_TOKENS) {
-            int tb = task->tokens - t0 < BT_TOKENS ? task->tokens - t0 : BT_TOKENS;
-            BT_FNS[ns - 1][tb - 1](d, tile, ld, x + t0 * task->ldx, task->ldx, part, acc);
-            for (int t = 0; t < tb; t++)
-                for (int r = 0; r < nr; r++) {
-                    const float *a = acc + (t * BF_ROWS + r) * 2 * 16;
-                    task->dst[(t0 + t) * task->ld_dst + o0 + r] =
-                        tree_512(_mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16)));
-                }
+        memset(acc, 0, sizeof(float) * (size_t)(task->tokens * lda));
+        for (int64_t b0 = 0; b0 < d->blocks; b0 += BT_SLICE) {
+            int64_t b1 = d->blocks - b0 < BT_SLICE ? d->blocks : b0 + BT_SLICE;
+            bf_decode_slice(d, o0, nr, b0, b1, tile);
+            for (int t0 = 0; t0 < task->tokens; t0 += BT_TOKENS) {
+                int tb = task->tokens - t0 < BT_TOKENS ? task->tokens - t0 : BT_TOKENS;
+                BT_FNS[ns - 1][tb - 1](tile, b1 - b0, x + t0 * task->ldx + 64 * b0, task->ldx,
+                                       part, acc + t0 * lda);
+            }
         }
+        for (int t = 0; t < task->tokens; t++)
+            for (int r = 0; r < nr; r++) {
+                const float *a = acc + t * lda + r * 2 * 16;
+                task->dst[t * task->ld_dst + o0 + r] =
+                    tree_512(_mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16)));
+            }
     }
 }
 

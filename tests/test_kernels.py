@@ -222,7 +222,9 @@ def test_a_call_larger_than_one_batch() -> None:
 @pytest.mark.parametrize("fmt,hidden,inter,options", [
     ("int4", 1152, 640, {"group": 128}), ("int4", 1280, 768, {"group": 256, "symmetric": False}),
     ("int4", 1088, 704, {"group": 64}), ("int4", 1056, 672, {"group": 96}),
-    ("mxfp4", 1088, 640, {}), ("gptq", 1088, 768, {"group": 128, "g_idx": None}),
+    ("mxfp4", 1088, 640, {}),
+    # MXFP4 over more than one slice of 1024 inputs, ending with a half block (32 inputs)
+    ("mxfp4", 1056, 1120, {}), ("gptq", 1088, 768, {"group": 128, "g_idx": None}),
     ("gptq", 1088, 768, {"group": 24, "g_idx": None}),
     ("gptq", 1088, 768, {"group": 128, "g_idx": "act_order"}),
     # act order with many groups: one token's call runs several panels of outputs
