@@ -11,33 +11,51 @@ FP8 with block scales (``weight_scale_inv``) for a :class:`PackedLinear`
 holding those bytes, which :func:`colibri.kernels.linear` computes on the
 same compute pool and threads as the routed experts. The float copies are
 dropped with the modules they belonged to, and their pages given back.
+
+:func:`use_decode_linears` gives the layers that stay float (bfloat16 or
+float32 attention projections, the LM head, dense and shared MLPs) the same
+kernel for forwards of a few rows, a decode step's: there it reads the
+weight once at close to the memory's speed, where torch's matmul reaches
+about half of it; from :data:`DECODE_ROWS` rows on, torch's (oneDNN's)
+blocked matmul is the faster one and computes them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from colibri.checkpoint.safetensors import TensorInfo, read_model_tensors
 from colibri.errors import FormatError
 from colibri.kernels import linear
-from colibri.linear import PackedWeight, packed_scheme, read_packed
+from colibri.linear import PackedWeight, packed_scheme, plain_weight, read_packed
 
-__all__ = ["pack_linears", "packed_linear_class"]
+__all__ = ["DECODE_ROWS", "decode_linear_class", "pack_linears", "packed_linear_class", "use_decode_linears"]
 
-_class: Any = None
+#: The most rows (tokens) of a float layer's forward that colibri's kernel
+#: computes; more go to torch. Measured on bfloat16 layers of 128 to 32000
+#: outputs over 1024 inputs (one thread, an AVX-512 BF16 CPU): the kernel took
+#: 0.5-0.8x torch's time at 1 to 4 rows, 1.1-1.6x at 8 (docs/hf.md).
+DECODE_ROWS = 4
+
+_classes: dict[str, Any] = {}
 _class_lock = threading.Lock()
 
 
-def packed_linear_class() -> Any:
-    """The ``torch.nn.Module`` class that replaces a packed ``nn.Linear``
-    (made on first use, so that importing colibri.hf needs no torch)."""
-    global _class
+def _made_once(maker: Callable[[], Any]) -> Any:
+    """``maker()``'s class, made on first use (so that importing colibri.hf
+    needs no torch) and kept."""
     with _class_lock:
-        if _class is None:
-            _class = _make_class()
-        return _class
+        made = _classes.get(maker.__name__)
+        if made is None:
+            made = _classes[maker.__name__] = maker()
+        return made
+
+
+def packed_linear_class() -> Any:
+    """The ``torch.nn.Module`` class that replaces a packed ``nn.Linear``."""
+    return _made_once(_make_class)
 
 
 def _make_class() -> Any:
@@ -71,6 +89,88 @@ def _make_class() -> Any:
             return out.view(*x.shape[:-1], self.out_features)
 
     return PackedLinear
+
+
+def decode_linear_class() -> Any:
+    """The ``torch.nn.Linear`` subclass that :func:`use_decode_linears` puts
+    in place of a float ``nn.Linear``."""
+    return _made_once(_make_decode_class)
+
+
+def _make_decode_class() -> Any:
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    kernel_dtypes = (torch.float32, torch.bfloat16)
+    functional_linear = torch.nn.functional.linear
+
+    def weight_array(weight: Any) -> np.ndarray:
+        """The weight's own memory as a numpy array (no copy)."""
+        w = weight.detach()
+        if w.dtype == torch.bfloat16:
+            return np.asarray(w.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+        return np.asarray(w.numpy())
+
+    class DecodeLinear(torch.nn.Linear):  # type: ignore[misc, name-defined]
+        """An ``nn.Linear`` (the same parameter objects as the layer it
+        replaces, so tied weights stay tied and ``state_dict`` is unchanged)
+        whose forward of at most :data:`DECODE_ROWS` rows, without autograd,
+        is :func:`colibri.kernels.linear` on the weight's own memory. Other
+        forwards, and any whose input dtype is not the weight's float32 or
+        bfloat16, are ``nn.Linear``'s."""
+
+        def __init__(self, layer: Any) -> None:
+            torch.nn.Module.__init__(self)
+            self.in_features = int(layer.in_features)
+            self.out_features = int(layer.out_features)
+            self.weight = layer.weight
+            self.register_parameter("bias", layer.bias)
+            self._packed: PackedWeight | None = None
+            self._packed_key: tuple[Any, ...] = ()
+
+        def _kernel_weight(self) -> PackedWeight:
+            """The weight as the kernel reads it: a view of the weight's memory
+            (in-place changes show through), made again when a parameter was
+            replaced; the bias is a float32 copy, made again also when it
+            changed in place (its version)."""
+            w, b = self.weight, self.bias
+            key = (w.data_ptr(), w.dtype, w.shape, None if b is None else (b.data_ptr(), b._version))
+            if self._packed is None or key != self._packed_key:
+                bias = None if b is None else b.detach().float().numpy().copy()
+                self._packed = plain_weight(weight_array(w), bias)
+                self._packed_key = key
+            return self._packed
+
+        def forward(self, x: Any) -> Any:
+            w = self.weight
+            rows = x.numel() // self.in_features if x.dim() else 0
+            if 0 < rows <= DECODE_ROWS and x.dtype == w.dtype and x.dtype in kernel_dtypes and x.is_cpu \
+                    and w.is_cpu and w.is_contiguous() and x.shape[-1] == self.in_features \
+                    and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                                          or (self.bias is not None and self.bias.requires_grad))):
+                out = linear(self._kernel_weight(), x.reshape(rows, self.in_features).contiguous())
+                return out.view(*x.shape[:-1], self.out_features)
+            return functional_linear(x, w, self.bias)
+
+    return DecodeLinear
+
+
+def use_decode_linears(model: Any) -> int:
+    """Replaces each ``nn.Linear`` of ``model`` (exactly that type) whose
+    weight is a float32 or bfloat16 CPU tensor with a
+    :func:`decode_linear_class` layer over the same parameters; returns how
+    many. The parameters are not copied."""
+    import torch
+
+    cls = decode_linear_class()
+    chosen = [name for name, module in model.named_modules()
+              if type(module) is torch.nn.Linear and module.weight.is_cpu
+              and module.weight.dtype in (torch.float32, torch.bfloat16) and module.weight.dim() == 2]
+    for name in chosen:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, cls(model.get_submodule(name)))
+    return len(chosen)
 
 
 def _bias(module: Any) -> Any:

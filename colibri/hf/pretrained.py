@@ -11,6 +11,7 @@ from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED
                                UnsupportedModelError, check_quantization, read_config)
 from colibri.hf.attention import use_decode_sdpa
 from colibri.hf.linears import pack_linears as swap_packed_linears
+from colibri.hf.linears import use_decode_linears
 from colibri.hf.loaders import register
 from colibri.hf.runtime import KERNELS, OneTokenBlas, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
@@ -33,6 +34,7 @@ def from_pretrained(
     decode_blas: bool = True,
     pack_linears: bool = True,
     decode_attention: bool = True,
+    decode_linears: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -57,7 +59,11 @@ def from_pretrained(
     matrix-vector product (:class:`~colibri.hf.runtime.OneTokenBlas`).
     ``decode_attention`` (a model with transformers' SDPA attention): its
     one-token steps of grouped-query attention run over the key/value heads
-    (:func:`~colibri.hf.attention.decode_sdpa`). Other keywords go to
+    (:func:`~colibri.hf.attention.decode_sdpa`). ``decode_linears`` (with
+    ``kernels="native"``): the linear layers left in float32 or bfloat16
+    compute forwards of up to 4 rows without autograd with colibri's kernel
+    on their own weights (:func:`~colibri.hf.linears.use_decode_linears`),
+    larger ones with torch. Other keywords go to
     :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
@@ -91,6 +97,8 @@ def from_pretrained(
         _attach(path, model, store, pilot_on, kernels)
         if kernels == "native" and pack_linears:
             model.colibri.packed_linears = swap_packed_linears(model, path)
+        if kernels == "native" and decode_linears:
+            model.colibri.decode_linears = use_decode_linears(model)
         if decode_blas and OneTokenBlas.wanted(model):
             hooks = OneTokenBlas()
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)

@@ -104,6 +104,9 @@ class Runtime:
         #: How many non-expert linear layers compute from the checkpoint's packed bytes
         #: (colibri.hf.linears.pack_linears; 0 with kernels="torch").
         self.packed_linears = 0
+        #: How many float linear layers compute forwards of a few rows with colibri's kernel
+        #: (colibri.hf.linears.use_decode_linears; 0 with kernels="torch" or decode_linears=False).
+        self.decode_linears = 0
         #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
         self.decode_blas = False
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
