@@ -12,8 +12,9 @@ numpy (bfloat16 through ml_dtypes) or torch CPU tensors, used in place.
 The store fills the kernels' description of each expert from the slot in C
 (``coli_store_expert_ffn``): Python only checks the operands. The C call
 releases the GIL and holds the leases' slots while it computes. Threads:
-``threads=`` per call, else ``torch.get_num_threads()`` for torch tensors,
-else :func:`set_threads`'s number (default: the CPUs this process may use).
+``threads=`` per call, else ``torch.get_num_threads()`` for torch tensors
+(inside :func:`torch_threads`, its number), else :func:`set_threads`'s
+number (default: the CPUs this process may use).
 
 The instruction-set path (``"scalar"``, ``"avx2"``, ``"avx512"``,
 ``"neon"``) is the best the CPU runs, unless the ``COLIBRI_KERNEL_ISA``
@@ -25,11 +26,12 @@ the tiles and how a format's kernel is added.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -41,7 +43,7 @@ from colibri.formats import GPTQ
 from colibri.linear import PackedWeight
 
 __all__ = ["expert_ffn", "experts_ffn", "linear", "moe_ffn", "moe_combine", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
-           "set_isa", "kernel_name", "set_threads", "default_threads"]
+           "set_isa", "kernel_name", "set_threads", "default_threads", "torch_threads"]
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gpt_oss")
 ISAS: tuple[str, ...] = tuple(ffi.string(lib.coli_ffn_isa_name(i)).decode()
@@ -113,11 +115,33 @@ def set_threads(threads: int | None) -> None:
         _threads = threads
 
 
+_torch_override = threading.local()
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Within the block, calls on torch tensors made by this thread without
+    ``threads=`` use ``threads`` instead of ``torch.get_num_threads()`` (so
+    that an engine may run torch's own ops on fewer threads than the
+    kernels). Blocks nest; the number before is restored on exit."""
+    _check_threads(threads)
+    before = getattr(_torch_override, "threads", None)
+    _torch_override.threads = threads
+    try:
+        yield
+    finally:
+        _torch_override.threads = before
+
+
 def default_threads(torch_operand: bool = False) -> int:
-    """The threads a call without ``threads=`` uses: ``torch.get_num_threads()``
-    for torch tensors, else :func:`set_threads`'s number, else the CPUs this
-    process may run on."""
+    """The threads a call without ``threads=`` uses: for torch tensors,
+    :func:`torch_threads`'s number inside its block, else
+    ``torch.get_num_threads()``; else :func:`set_threads`'s number, else the
+    CPUs this process may run on."""
     if torch_operand:
+        override = getattr(_torch_override, "threads", None)
+        if override is not None:
+            return int(override)
         torch = sys.modules.get("torch")
         if torch is not None:
             return int(torch.get_num_threads())

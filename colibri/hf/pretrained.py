@@ -13,7 +13,7 @@ from colibri.hf.attention import use_decode_sdpa
 from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.linears import use_decode_linears
 from colibri.hf.loaders import register
-from colibri.hf.runtime import KERNELS, OneTokenBlas, RouterPilot, Runtime, experts_modules
+from colibri.hf.runtime import KERNELS, DecodeThreads, OneTokenBlas, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
 
 __all__ = ["from_pretrained", "module_parent_gate", "runtime_of", "store_of"]
@@ -35,6 +35,7 @@ def from_pretrained(
     pack_linears: bool = True,
     decode_attention: bool = True,
     decode_linears: bool = True,
+    decode_threads: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -63,7 +64,10 @@ def from_pretrained(
     ``kernels="native"``): the linear layers left in float32 or bfloat16
     compute forwards of up to 4 rows without autograd with colibri's kernel
     on their own weights (:func:`~colibri.hf.linears.use_decode_linears`),
-    larger ones with torch. Other keywords go to
+    larger ones with torch. ``decode_threads`` (with ``kernels="native"``):
+    such a forward of up to 4 rows runs torch's own ops on one thread and
+    colibri's kernels on ``torch.get_num_threads()``
+    (:class:`~colibri.hf.runtime.DecodeThreads`). Other keywords go to
     :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
@@ -104,6 +108,11 @@ def from_pretrained(
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)
             model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
             model.colibri.decode_blas = True
+        if kernels == "native" and decode_threads:
+            threads = DecodeThreads()
+            model.register_forward_pre_hook(threads.before, with_kwargs=True)
+            model.register_forward_hook(threads.after, with_kwargs=True, always_call=True)
+            model.colibri.decode_threads = True
         if decode_attention:
             use_decode_sdpa(model)
         return model
