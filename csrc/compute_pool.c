@@ -1,11 +1,16 @@
 /*
  * compute_pool.c: a fixed set of worker threads woken once per run.
  *
- * Between runs, workers spin briefly on the run counter (calls come in
- * quick succession: a layer's experts, a token's layers), then sleep on a
- * condition variable; the caller waits for the run's end the same way.
- * The barrier inside a run also spins briefly, then sleeps, so a thread
- * preempted on a shared machine does not keep the others burning a core.
+ * Between runs, workers spin on the run counter for up to IDLE_SPIN_NS
+ * (calls come in quick succession: a layer's experts, a token's layers,
+ * with the engine's own ops between them), then sleep on a condition
+ * variable; the caller waits for the run's end the same way. The spin is
+ * timed, not counted: a pause lasts 10 ns on one CPU and 140 cycles on
+ * another, and waking a sleeping worker on a virtual machine (its vCPU
+ * halted) costs tens of microseconds, more than most calls' share of work.
+ * The barrier inside a run also spins, for up to BARRIER_SPIN_NS, then
+ * sleeps, so a thread preempted on a shared machine does not keep the
+ * others burning a core.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -13,11 +18,14 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "coli_errors.h"
 #include "compute_pool.h"
 
-enum { POOL_MAX_THREADS = 256, BARRIER_SPINS = 4000, IDLE_SPINS = 4000 };
+enum { POOL_MAX_THREADS = 256 };
+#define IDLE_SPIN_NS 1000000ULL     /* 1 ms: a decode step's gaps between kernel calls */
+#define BARRIER_SPIN_NS 200000ULL   /* 0.2 ms: the threads of one call arrive together */
 
 struct ColiComputePool {
     int threads;
@@ -51,14 +59,41 @@ static void cpu_relax(void) {
 #endif
 }
 
+static unsigned long long now_ns(void) {
+    struct timespec t;
+    if (clock_gettime(CLOCK_MONOTONIC, &t) != 0) return 0; /* then a spin ends at once */
+    return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
+}
+
+/* A timed spin: call spin_on(&spin) once per pause; it turns false after
+ * budget_ns (the clock is read every 64 pauses). */
+typedef struct {
+    unsigned count;
+    unsigned long long start, budget_ns;
+} Spin;
+
+static Spin spin_for(unsigned long long budget_ns) {
+    Spin s = {0, 0, budget_ns};
+    return s;
+}
+
+static int spin_on(Spin *s) {
+    cpu_relax();
+    if ((++s->count & 63) != 0) return 1;
+    unsigned long long t = now_ns();
+    if (t == 0) return 0;
+    if (s->start == 0) s->start = t;
+    return t - s->start < s->budget_ns;
+}
+
 /* The run after seen: spins, then sleeps; returns its generation (or seen
  * when the pool stops). */
 static unsigned long long next_run(ColiComputePool *pool, unsigned long long seen) {
-    for (int i = 0; i < IDLE_SPINS; i++) {
+    Spin spin = spin_for(IDLE_SPIN_NS);
+    do {
         unsigned long long g = atomic_load_explicit(&pool->generation, memory_order_acquire);
         if (g != seen || atomic_load_explicit(&pool->stop, memory_order_acquire)) return g;
-        cpu_relax();
-    }
+    } while (spin_on(&spin));
     pthread_mutex_lock(&pool->mu);
     pool->sleepers++;
     unsigned long long g;
@@ -178,12 +213,9 @@ void coli_compute_pool_run(ColiComputePool *pool, ColiPoolFn fn, void *ctx) {
     if (pool->sleepers) pthread_cond_broadcast(&pool->start_cv);
     pthread_mutex_unlock(&pool->mu);
     fn(ctx, 0, pool->threads);
-    int i = 0;
+    Spin spin = spin_for(IDLE_SPIN_NS);
     while (atomic_load_explicit(&pool->pending, memory_order_acquire)) {
-        if (i++ < IDLE_SPINS) {
-            cpu_relax();
-            continue;
-        }
+        if (spin_on(&spin)) continue;
         pthread_mutex_lock(&pool->mu);
         while (atomic_load_explicit(&pool->pending, memory_order_acquire))
             pthread_cond_wait(&pool->done_cv, &pool->mu);
@@ -206,10 +238,10 @@ void coli_compute_pool_barrier(ColiComputePool *pool) {
         pthread_mutex_unlock(&pool->bar_mu);
         return;
     }
-    for (int i = 0; i < BARRIER_SPINS; i++) {
+    Spin spin = spin_for(BARRIER_SPIN_NS);
+    do {
         if (atomic_load_explicit(&pool->bar_generation, memory_order_acquire) != gen) return;
-        cpu_relax();
-    }
+    } while (spin_on(&spin));
     pthread_mutex_lock(&pool->bar_mu);
     while (atomic_load_explicit(&pool->bar_generation, memory_order_acquire) == gen)
         pthread_cond_wait(&pool->bar_cv, &pool->bar_mu);
