@@ -36,7 +36,7 @@ __all__ = ["DECODE_ROWS", "decode_linear_class", "pack_linears", "packed_linear_
 #: The most rows (tokens) of a float layer's forward that colibri's kernel
 #: computes; more go to torch. Measured on bfloat16 layers of 128 to 32000
 #: outputs over 1024 inputs (one thread, an AVX-512 BF16 CPU): the kernel took
-#: 0.5-0.8x torch's time at 1 to 4 rows, 1.1-1.6x at 8 (docs/hf.md).
+#: 0.5-0.9x torch's time at 1 to 4 rows, 1.1-1.6x at 8 (docs/hf.md).
 DECODE_ROWS = 4
 
 _classes: dict[str, Any] = {}

@@ -322,8 +322,8 @@ class DecodeThreads:
     In such a step the kernels compute every expert and linear layer; what
     torch has left are small ops, which gain nothing from more threads,
     while its OpenMP workers, spinning after each op, would take the cores
-    the kernels' workers need (measured on 2 cores: a 4-bit step 15% slower
-    on 2 threads than on 1, and 1.2-1.4x faster than on 1 with these hooks,
+    the kernels' workers need (measured on 2 cores: a 4-bit step 15-20%
+    slower on 2 threads than on 1; with these hooks 1.15x faster than on 1,
     docs/hf.md). ``torch.set_num_threads`` is put back after the forward,
     even when it raises; it sets OpenMP's count for the calling thread only."""
 
