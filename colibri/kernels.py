@@ -26,12 +26,10 @@ the tiles and how a format's kernel is added.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -39,6 +37,7 @@ import numpy as np
 from colibri._ffi import LeaseBase, copy_views, ffi, lib
 from colibri.errors import ColibriError, error_for
 from colibri.checkpoint.experts import ExpertTensors
+from colibri.compute_threads import check_threads, default_threads, set_threads, torch_threads
 from colibri.formats import GPTQ
 from colibri.linear import PackedWeight
 
@@ -58,7 +57,6 @@ _VIEW_SIZE: int = ffi.sizeof("ColiExpertView")
 
 _state_lock = threading.Lock()
 _forced: int | None = None                # set_isa's choice; None: the process default
-_threads: int | None = None               # set_threads's choice; None: the CPUs we may use
 _pools: dict[int, Any] = {}               # threads -> ColiComputePool *
 
 
@@ -95,63 +93,6 @@ def set_isa(name: str | None) -> None:
     number = None if name is None else _isa_number(name)
     with _state_lock:
         _forced = number
-
-
-def _cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def set_threads(threads: int | None) -> None:
-    """The compute threads of calls on numpy arrays that give no ``threads=``
-    (None: the CPUs this process may run on). Calls on torch tensors follow
-    ``torch.get_num_threads()``."""
-    global _threads
-    if threads is not None:
-        _check_threads(threads)
-    with _state_lock:
-        _threads = threads
-
-
-_torch_override = threading.local()
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """Within the block, calls on torch tensors made by this thread without
-    ``threads=`` use ``threads`` instead of ``torch.get_num_threads()`` (so
-    that an engine may run torch's own ops on fewer threads than the
-    kernels). Blocks nest; the number before is restored on exit."""
-    _check_threads(threads)
-    before = getattr(_torch_override, "threads", None)
-    _torch_override.threads = threads
-    try:
-        yield
-    finally:
-        _torch_override.threads = before
-
-
-def default_threads(torch_operand: bool = False) -> int:
-    """The threads a call without ``threads=`` uses: for torch tensors,
-    :func:`torch_threads`'s number inside its block, else
-    ``torch.get_num_threads()``; else :func:`set_threads`'s number, else the
-    CPUs this process may run on."""
-    if torch_operand:
-        override = getattr(_torch_override, "threads", None)
-        if override is not None:
-            return int(override)
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            return int(torch.get_num_threads())
-    return _threads if _threads is not None else _cpus()
-
-
-def _check_threads(threads: Any) -> int:
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
-        raise ValueError(f"threads must be an int from 1 to 256, not {threads!r}")
-    return threads
 
 
 def kernel_name(lease: Any, role: str = "gate", isa: str | None = None) -> str:
@@ -332,7 +273,7 @@ def _operands(x: Any, out: Any, hidden: int, outputs: int | None = None) -> tupl
 
 def _call(xo: _Operand, oo: _Operand, threads: int | None, isa: str | None) -> tuple[Any, Any]:
     """The ``ColiFfnCall *`` of x and out, and the compute pool of ``threads``."""
-    threads = default_threads(xo.torch) if threads is None else _check_threads(threads)
+    threads = default_threads(xo.torch) if threads is None else check_threads(threads)
     number = _isa_number(isa) if isa is not None else (
         _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
     call = ffi.new("ColiFfnCall *", {
@@ -400,7 +341,7 @@ def linear(weight: PackedWeight, x: Any, *, out: Any = None, threads: int | None
             "x": ffi.cast("const void *", x.data_ptr()), "x_format": code, "x_stride": n_in,
             "out": ffi.cast("void *", out.data_ptr()), "out_format": code, "out_stride": n_out,
             "tokens": tokens, "isa": _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO})
-        pool = _pool(default_threads(True) if threads is None else _check_threads(threads))
+        pool = _pool(default_threads(True) if threads is None else check_threads(threads))
     else:
         xo, oo, out = _operands(x, out, n_in, n_out)
         call, pool = _call(xo, oo, threads, isa)
@@ -560,7 +501,7 @@ def moe_ffn(leases: Sequence[Any], x: Any, index: Any, pairs: Any, *, activation
                          "contiguous")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
-    threads = default_threads(not isinstance(x, np.ndarray)) if threads is None else _check_threads(threads)
+    threads = default_threads(not isinstance(x, np.ndarray)) if threads is None else check_threads(threads)
     number = _isa_number(isa) if isa is not None else (
         _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
     views = ffi.new("ColiExpertView[]", n)

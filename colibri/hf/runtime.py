@@ -325,7 +325,10 @@ class DecodeThreads:
     the kernels' workers need (measured on 2 cores: a 4-bit step 15-20%
     slower on 2 threads than on 1; with these hooks 1.15x faster than on 1,
     docs/hf.md). ``torch.set_num_threads`` is put back after the forward,
-    even when it raises; it sets OpenMP's count for the calling thread only."""
+    even when it raises. What torch.get_num_threads() reads is process-wide:
+    another thread's kernel call that takes its count from torch during the
+    step runs on one thread (OpenMP's own count changes in the calling
+    thread only)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
