@@ -77,6 +77,26 @@ typedef struct {
     int zero_plus_one;
 } ColiFfnMat;
 
+/* The 16 values of an e2m1 (FP4) nibble, in nibble order (defined in ffn_scalar.c). */
+extern const float coli_ffn_e2m1[16];
+
+/* The row kinds the SIMD DOT kernels specialise their loops for (a
+ * runtime format in the inner loop costs more than the weights), and a
+ * matrix's kind. */
+enum { K_NIB, K_F32, K_F16, K_BF16, K_E4M3, K_E5M2, N_KINDS };
+
+static inline int coli_ffn_row_kind(const ColiFfnMat *m) {
+    switch (m->format) {
+    case COLI_TENSOR_INT4_BLOCK:
+    case COLI_TENSOR_FP4_NATIVE_BLOCK: return K_NIB;
+    case COLI_TENSOR_F32: return K_F32;
+    case COLI_TENSOR_F16: return K_F16;
+    case COLI_TENSOR_BF16: return K_BF16;
+    case COLI_TENSOR_F8_E5M2: return K_E5M2;
+    default: return K_E4M3;
+    }
+}
+
 /* One kernel call: outputs [n0, n1) of the matrix for every token. */
 typedef struct {
     const void *x;              /* tokens rows of ldx elements, in the kernel's type and order */

@@ -62,24 +62,7 @@
 
 enum { LN = 4, VPB = COLI_FFN_BLOCK / LN, TB_MAX = 4, TILE_ROWS = 4 };
 
-/* The row kinds the DOT loops are specialised for. */
-enum { K_NIB, K_F32, K_F16, K_BF16, K_E4M3, K_E5M2, N_KINDS };
-
-static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-static int kind_of(const ColiFfnMat *m) {
-    switch (m->format) {
-    case COLI_TENSOR_INT4_BLOCK:
-    case COLI_TENSOR_FP4_NATIVE_BLOCK: return K_NIB;
-    case COLI_TENSOR_F32: return K_F32;
-    case COLI_TENSOR_F16: return K_F16;
-    case COLI_TENSOR_BF16: return K_BF16;
-    case COLI_TENSOR_F8_E5M2: return K_E5M2;
-    default: return K_E4M3;
-    }
-}
 
 INLINE float32x4_t f32_of_u8(uint8x16_t v) { return vreinterpretq_f32_u8(v); }
 
@@ -157,10 +140,10 @@ static Table nibble_table(const ColiFfnMat *m, int64_t o, int64_t g) {
     if (m->format == COLI_TENSOR_FP4_NATIVE_BLOCK) {
         int e = m->scales[o * m->groups + g];
         if (e == 255) {
-            for (int q = 0; q < 16; q++) t[q] = ldexpf(E2M1[q], 128);
+            for (int q = 0; q < 16; q++) t[q] = ldexpf(coli_ffn_e2m1[q], 128);
         } else {
             float32x4_t p = vdupq_n_f32(coli_ffn_ue8m0(e));
-            for (int i = 0; i < 4; i++) vst1q_f32(t + 4 * i, vmulq_f32(vld1q_f32(E2M1 + 4 * i), p));
+            for (int i = 0; i < 4; i++) vst1q_f32(t + 4 * i, vmulq_f32(vld1q_f32(coli_ffn_e2m1 + 4 * i), p));
         }
         return table_of(t);
     }
@@ -195,7 +178,7 @@ static DotInfo dot_info(const ColiFfnMat *m) {
     DotInfo d;
     memset(&d, 0, sizeof d);
     d.m = m;
-    d.kind = kind_of(m);
+    d.kind = coli_ffn_row_kind(m);
     int nib = d.kind == K_NIB;
     d.eb = nib ? 0 : kind_bytes(d.kind);
     d.slow = nib ? m->group % 32 != 0
@@ -639,7 +622,7 @@ static void single_run(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFf
         single_K_AWQ(m, n0, n1, task);
         return;
     }
-    switch (kind_of(m)) {
+    switch (coli_ffn_row_kind(m)) {
     case K_F32: single_K_F32(m, n0, n1, task); return;
     case K_F16: single_K_F16(m, n0, n1, task); return;
     case K_BF16: single_K_BF16(m, n0, n1, task); return;

@@ -112,9 +112,9 @@ int coli_ffn_format_computed(ColiTensorFormat format, int in_out) {
 
 /* ------------------------------------------------------------ decoding rows */
 
-/* The 16 values of an e2m1 nibble. */
-static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* The 16 values of an e2m1 nibble (declared in ffn_internal.h). */
+const float coli_ffn_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 /* Stored elements [c0, c0 + n) of stored row r of a plain or FP8 matrix,
  * times their FP8 block scale. */
@@ -155,7 +155,7 @@ static void nibble_table(const ColiFfnMat *m, int64_t o, int64_t g, float *t) {
     if (m->format == COLI_TENSOR_FP4_NATIVE_BLOCK) {
         int e = m->scales[o * m->groups + g];
         for (int q = 0; q < 16; q++)
-            t[q] = e == 255 ? ldexpf(E2M1[q], 128) : E2M1[q] * coli_ffn_ue8m0(e);
+            t[q] = e == 255 ? ldexpf(coli_ffn_e2m1[q], 128) : coli_ffn_e2m1[q] * coli_ffn_ue8m0(e);
         return;
     }
     float s = coli_ffn_scale(m, o * m->groups + g), z = (float)coli_ffn_zero_at(m, o, g);

@@ -37,9 +37,7 @@ static float x86_fp8_scale(const ColiFfnMat *m, int64_t row, int64_t col) {
     return coli_ffn_scale(m, (row / m->block_rows) * per_row + col / m->block_columns);
 }
 
-/* The 16 e2m1 values, and 0..15. */
-static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* 0..15. */
 static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* ------------------------------------------------------------ AVX-512 vectors */
@@ -93,7 +91,7 @@ AVX512 INLINE __m512 nib_biased_512(__m512i words, int j) {
  * gives ldexp's answers) for q = 0..15. */
 AVX512 INLINE __m512 nibble_table_512(const ColiFfnMat *m, int64_t o, int64_t g) {
     if (m->format == COLI_TENSOR_FP4_NATIVE_BLOCK)
-        return _mm512_scalef_ps(_mm512_loadu_ps(E2M1),
+        return _mm512_scalef_ps(_mm512_loadu_ps(coli_ffn_e2m1),
                                 _mm512_set1_ps((float)m->scales[o * m->groups + g] - 127.0f));
     return _mm512_mul_ps(_mm512_sub_ps(iota16_512(), _mm512_set1_ps((float)coli_ffn_zero_at(m, o, g))),
                          _mm512_set1_ps(coli_ffn_scale_at(m, o * m->groups + g)));
@@ -224,14 +222,14 @@ AVX2 INLINE Table16 nibble_table_256(const ColiFfnMat *m, int64_t o, int64_t g) 
         int e = m->scales[o * m->groups + g];
         if (e == 255) {  /* ldexp's answers: inf, and 0 for 0 */
             float v[16];
-            for (int i = 0; i < 16; i++) v[i] = ldexpf(E2M1[i], 128);
+            for (int i = 0; i < 16; i++) v[i] = ldexpf(coli_ffn_e2m1[i], 128);
             t.lo = _mm256_loadu_ps(v);
             t.hi = _mm256_loadu_ps(v + 8);
             return t;
         }
         __m256 p = _mm256_set1_ps(coli_ffn_ue8m0(e));
-        t.lo = _mm256_mul_ps(_mm256_loadu_ps(E2M1), p);
-        t.hi = _mm256_mul_ps(_mm256_loadu_ps(E2M1 + 8), p);
+        t.lo = _mm256_mul_ps(_mm256_loadu_ps(coli_ffn_e2m1), p);
+        t.hi = _mm256_mul_ps(_mm256_loadu_ps(coli_ffn_e2m1 + 8), p);
         return t;
     }
     __m256 z = _mm256_set1_ps((float)coli_ffn_zero_at(m, o, g));

@@ -76,7 +76,7 @@ static pthread_once_t mx_once = PTHREAD_ONCE_INIT;
 
 static void mx_tables(void) {
     for (int e = 0; e < 256; e++)
-        for (int q = 0; q < 16; q++) MX_TABLES[e][q] = coli_f32_to_bf16(ldexpf(E2M1[q], e - 127));
+        for (int q = 0; q < 16; q++) MX_TABLES[e][q] = coli_f32_to_bf16(ldexpf(coli_ffn_e2m1[q], e - 127));
 }
 
 static BfInfo bf_info(const ColiFfnMat *m) {

@@ -69,25 +69,6 @@ static FN(DotInfo) FN(dot_info)(const ColiFfnMat *m) {
     return d;
 }
 
-/* The row kinds a DOT kernel specialises its loops for (a runtime format
- * in the inner loop costs more than the weights). */
-#ifndef COLI_FFN_X86_KINDS
-#define COLI_FFN_X86_KINDS
-enum { K_NIB, K_F32, K_F16, K_BF16, K_E4M3, K_E5M2, N_KINDS };
-#endif
-
-static int FN(dot_kind)(const ColiFfnMat *m) {
-    switch (m->format) {
-    case COLI_TENSOR_INT4_BLOCK:
-    case COLI_TENSOR_FP4_NATIVE_BLOCK: return K_NIB;
-    case COLI_TENSOR_F32: return K_F32;
-    case COLI_TENSOR_F16: return K_F16;
-    case COLI_TENSOR_BF16: return K_BF16;
-    case COLI_TENSOR_F8_E5M2: return K_E5M2;
-    default: return K_E4M3;
-    }
-}
-
 static const ColiTensorFormat FN(KIND_FORMAT)[N_KINDS] = {
     COLI_TENSOR_INT4_BLOCK, COLI_TENSOR_F32, COLI_TENSOR_F16, COLI_TENSOR_BF16,
     COLI_TENSOR_F8_E4M3, COLI_TENSOR_F8_E5M2};
@@ -310,7 +291,7 @@ TGT static void FN(dot_tiled)(const FN(DotInfo) *d, int64_t n0, int64_t n1, cons
             } else if (d->slow) {
                 FN(dot_slow_row)(d, p0 + r, row, natural);
             } else {
-                FN(DOT_DECODES)[FN(dot_kind)(d->m)](d, p0 + r, row);
+                FN(DOT_DECODES)[coli_ffn_row_kind(d->m)](d, p0 + r, row);
             }
         }
         for (int t0 = 0; t0 < task->tokens; t0 += 4) {
@@ -339,7 +320,7 @@ TGT static void FN(dot_run)(const ColiFfnMat *m, int64_t n0, int64_t n1, const C
         return;
     }
     float *buf = (float *)task->scratch;
-    const FN(DotStreamFn) *fns = FN(DOT_STREAMS)[FN(dot_kind)(m)];
+    const FN(DotStreamFn) *fns = FN(DOT_STREAMS)[coli_ffn_row_kind(m)];
     for (int t0 = 0; t0 < task->tokens; t0 += STREAM_TB) {
         int tb = task->tokens - t0 < STREAM_TB ? task->tokens - t0 : STREAM_TB;
         fns[tb - 1](&d, n0, n1, task, t0, buf);
