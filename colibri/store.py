@@ -176,6 +176,7 @@ class StoreOptions:
     prefetch_chunk_bytes: int = 0
     read_chunk_bytes: int = 0
     read_advice: bool = True
+    populate_slots: bool = True
     policy: str = "lru"
     pin: Sequence[tuple[int, int]] = ()
     warm: Sequence[tuple[int, int]] = ()
@@ -580,6 +581,7 @@ class _Config:
         cfg.prefetch_chunk_bytes = o.prefetch_chunk_bytes
         cfg.read_chunk_bytes = o.read_chunk_bytes
         cfg.read_without_advice = int(not o.read_advice)
+        cfg.lazy_slots = int(not o.populate_slots)
         self.preload(o.pin, o.warm)
 
     def _hold(self, obj: Any, *more: Any) -> Any:
@@ -743,6 +745,7 @@ def open_store(
     prefetch_chunk_bytes: int = 0,
     read_chunk_bytes: int = 0,
     read_advice: bool = True,
+    populate_slots: bool = True,
     policy: str = "lru",
     pin: Iterable[tuple[int, int]] | None = None,
     warm: Iterable[tuple[int, int]] | None = None,
@@ -801,6 +804,13 @@ def open_store(
     ``read_advice=False`` leaves the readahead on and gives no advice (for
     comparisons).
     O_DIRECT reads take one call per expert.
+
+    ``populate_slots`` (the default) faults the slots' memory in at open,
+    zeroed once: no read then waits for the kernel to zero the pages it
+    is about to fill (work an I/O worker would otherwise do on a core the
+    compute needs), and a budget the machine cannot back fails at open.
+    False leaves each slot's pages to its first read: a quicker open for a
+    cache much larger than a run will fill.
 
     ``usage_file`` keeps a usage history (:class:`colibri.Usage`): it is
     loaded at open (a missing file starts an empty one; another model's file
@@ -861,6 +871,7 @@ def open_store(
         prefetch_chunk_bytes=min(prefetch_chunk_bytes, _U64_MAX),
         read_chunk_bytes=min(read_chunk_bytes, _U64_MAX),
         read_advice=bool(read_advice),
+        populate_slots=bool(populate_slots),
         policy=policy,
         pin=pins,
         warm=warms,

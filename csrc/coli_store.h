@@ -84,6 +84,9 @@ typedef struct ColiStoreConfig {
     uint64_t replay_expert_bytes;   /* > 0, replay only: every expert takes this many bytes (its slot,
                                      * and what a load counts), and only the layer and expert of
                                      * each source are read */
+    /* Appended for slot memory committed at create. */
+    int lazy_slots;                 /* nonzero: each slot's pages are faulted in by its first read
+                                     * instead of at create (see below) */
 } ColiStoreConfig;
 
 /* Limits and counts of this API. */
@@ -137,7 +140,14 @@ enum {
  * but views carry no bytes (data and scales are NULL). Pins and warm
  * experts are resident when create returns. Its sources are checked for
  * format and shape but not against files; with replay_expert_bytes, it
- * needs none: only their layer and expert. */
+ * needs none: only their layer and expert.
+ *
+ * SLOT MEMORY. Create faults every slot's pages in (zeroed once, on huge
+ * pages where the kernel gives them), so that no read waits for the kernel
+ * to zero the pages it is about to fill, and a budget the machine cannot
+ * back fails at create. With lazy_slots, a slot's pages are faulted in by
+ * the first read into it instead: create is quicker for a cache much
+ * larger than a run will fill. */
 
 /* Validates config, opens its files and allocates every slot. On success
  * *out is a store owned by the caller (free it with its destroy op) and 0 is

@@ -9,10 +9,13 @@
 #define _GNU_SOURCE               /* MAP_ANONYMOUS, MADV_HUGEPAGE, with POSIX clocks and conditions */
 #include "ls_slots.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "coli_store.h"
 
@@ -195,6 +198,24 @@ static unsigned char *map_arena(size_t bytes, size_t *mapped) {
     return arena;
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23      /* Linux 5.14's value; older kernels refuse it with EINVAL */
+#endif
+
+/* Faults an arena's pages in now instead of in the first read into each
+ * slot (see SLOT MEMORY in coli_store.h): 0, or the errno of a kernel that
+ * could not back them. Kernels without MADV_POPULATE_WRITE get a write to
+ * every page. */
+static int populate_arena(unsigned char *arena, size_t len) {
+    if (madvise(arena, len, MADV_POPULATE_WRITE) == 0) return 0;
+    if (errno != EINVAL) return errno;
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) page = 4096;
+    volatile unsigned char *p = arena;
+    for (size_t off = 0; off < len; off += (size_t)page) p[off] = 0;
+    return 0;
+}
+
 /* Decides every layer's slot stride (its largest expert's footprint, in
  * whole pages) and slot count (from the budget, at most its experts). */
 static int count_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t n) {
@@ -245,6 +266,12 @@ static int build_slots(LsStore *s, const ColiStoreConfig *cfg, char *err, size_t
             return coli_fail(err, n, COLI_ENOMEM, "cannot allocate %llu bytes for the %d slots of layer %d",
                              (unsigned long long)arena_bytes, L->n_slots, L->id);
         L->arena = arena;
+        if (arena && !cfg->lazy_slots) {
+            int e = populate_arena(arena, L->arena_bytes);
+            if (e)
+                return coli_fail(err, n, COLI_ENOMEM, "cannot commit the %llu bytes of the %d slots of layer %d: %s",
+                                 (unsigned long long)L->arena_bytes, L->n_slots, L->id, strerror(e));
+        }
         L->slots = calloc((size_t)L->n_slots, sizeof(LsSlot));
         if (!L->slots)
             return coli_fail(err, n, COLI_ENOMEM, "out of memory for the slots of layer %d", L->id);

@@ -306,3 +306,35 @@ def test_refused_o_direct_falls_back_to_the_page_cache(no_direct_model, monkeypa
                             **options) as store:
         assert store.direct_io is False
         lease_everything(store, no_direct_model, workers)
+
+
+def anonymous_rss() -> int:
+    """This process's resident anonymous memory, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) << 10
+    pytest.skip("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.parametrize("populate", [True, False])
+def test_slot_memory_is_committed_at_open_unless_lazy(tmp_path, populate):
+    """With populate_slots (the default) the slots' pages are resident when
+    open returns, so no read waits for the kernel to zero them; without,
+    they come with the first read into each slot."""
+    model = write_synthetic_model(tmp_path / "model", n_layers=1, n_experts=8, hidden=1024,
+                                  intermediate=512, dtype="float16")
+    arena = 8 * model.expert_nbytes
+    want = expected_experts(model)
+    before = anonymous_rss()
+    with colibri.open_store(model.path, slots_per_layer=8, prefetch_workers=0,
+                            populate_slots=populate) as store:
+        at_open = anonymous_rss() - before
+        for e in range(8):
+            with store.lease(0, e) as ex:
+                assert_expert_matches(ex, want[(0, e)])
+        after_reads = anonymous_rss() - before
+    if populate:
+        assert at_open >= arena, f"{at_open:,} bytes resident at open for {arena:,} bytes of slots"
+    else:
+        assert at_open < arena // 4, f"{at_open:,} bytes resident at open with lazy slots"
+    assert after_reads >= arena
