@@ -192,6 +192,21 @@ def tensor_ranges(model: SyntheticModel) -> dict[str, tuple[Path, int, int]]:
     return out
 
 
+def assert_same_greedy(model, reference, bound: float) -> None:
+    """Greedy generation of 8 tokens after a 7-token prompt: the same tokens
+    from both transformers models, and each step's logits within ``bound``
+    of the reference's largest."""
+    import torch
+
+    ids = torch.randint(3, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=1, output_logits=True,
+                   return_dict_in_generate=True)
+    got, want = model.generate(ids, **options), reference.generate(ids, **options)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) <= bound
+
+
 def make_model(directory, **kwargs) -> SyntheticModel:
     return write_synthetic_model(directory, **kwargs)
 

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 import colibri.hf as hf  # noqa: E402
 from colibri.hf.linears import DECODE_ROWS, decode_linear_class, use_decode_linears  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
+from conftest import assert_same_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -78,13 +79,7 @@ def test_decode_steps_match_the_torch_layers(path: str, dtype: Any) -> None:
     native = hf.from_pretrained(path, torch_dtype=dtype)
     off = hf.from_pretrained(path, torch_dtype=dtype, decode_linears=False)
     try:
-        ids = torch.randint(3, native.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
-        options = dict(max_new_tokens=8, do_sample=False, pad_token_id=1, output_logits=True,
-                       return_dict_in_generate=True)
-        got, want = native.generate(ids, **options), off.generate(ids, **options)
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.logits, want.logits):
-            assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) <= BOUNDS[dtype]
+        assert_same_greedy(native, off, BOUNDS[dtype])
     finally:
         native.colibri_close()
         off.colibri_close()

@@ -12,6 +12,7 @@ from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED
 from colibri.hf.attention import use_decode_sdpa
 from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.linears import use_decode_linears
+from colibri.hf.norms import use_decode_norms
 from colibri.hf.loaders import register
 from colibri.hf.runtime import KERNELS, DecodeThreads, OneTokenBlas, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
@@ -36,6 +37,7 @@ def from_pretrained(
     decode_attention: bool = True,
     decode_linears: bool = True,
     decode_threads: bool = True,
+    decode_norms: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -67,7 +69,10 @@ def from_pretrained(
     larger ones with torch. ``decode_threads`` (with ``kernels="native"``):
     such a forward of up to 4 rows runs torch's own ops on one thread and
     colibri's kernels on ``torch.get_num_threads()``
-    (:class:`~colibri.hf.runtime.DecodeThreads`). Other keywords go to
+    (:class:`~colibri.hf.runtime.DecodeThreads`). ``decode_norms`` (with
+    ``kernels="native"``): RMS norms of transformers' two usual formulas
+    compute such a forward in one native call
+    (:func:`~colibri.hf.norms.use_decode_norms`). Other keywords go to
     :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
@@ -103,6 +108,8 @@ def from_pretrained(
             model.colibri.packed_linears = swap_packed_linears(model, path)
         if kernels == "native" and decode_linears:
             model.colibri.decode_linears = use_decode_linears(model)
+        if kernels == "native" and decode_norms:
+            model.colibri.decode_norms = use_decode_norms(model)
         if decode_blas and OneTokenBlas.wanted(model):
             hooks = OneTokenBlas()
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)

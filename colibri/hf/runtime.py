@@ -108,6 +108,9 @@ class Runtime:
         #: How many float linear layers compute forwards of a few rows with colibri's kernel
         #: (colibri.hf.linears.use_decode_linears; 0 with kernels="torch" or decode_linears=False).
         self.decode_linears = 0
+        #: How many RMS norms compute a forward of a few rows natively
+        #: (colibri.hf.norms.use_decode_norms; 0 with kernels="torch" or decode_norms=False).
+        self.decode_norms = 0
         #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
         self.decode_blas = False
         #: True when a forward of a few rows gives torch's threads to the kernels (decode_threads).

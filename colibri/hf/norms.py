@@ -1,0 +1,136 @@
+"""The RMS norms of a colibri.hf model computed in one native call for a
+decode step's few rows.
+
+A decoder layer of a Llama-family model runs two to four RMS norms per
+token (before attention and the MLP, and on each head's queries and keys
+in Qwen3). transformers computes each with six tensor ops; on a row of a
+few thousand values each op's dispatch costs more than its arithmetic, and
+a decode step spends about a tenth of its time there. :func:`use_decode_norms`
+gives every norm whose forward is one of the two formulas transformers'
+families use (:data:`FORMS`, compared on the forward's syntax tree, so a
+family that computes anything else keeps its own) a forward that, for at
+most :data:`DECODE_NORM_VALUES` values without autograd, is
+``coli_rms_norm``: the same steps, rounded where the framework rounds.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any, Callable
+
+from colibri._ffi import ffi, lib
+from colibri.errors import error_for
+
+__all__ = ["DECODE_NORM_VALUES", "FORMS", "norm_form", "rms_norm", "use_decode_norms"]
+
+#: The most values (all rows together) a norm's forward computes natively:
+#: 4 tokens of a 16384-wide model; larger forwards (prefill) stay torch's.
+DECODE_NORM_VALUES = 1 << 16
+
+_BODY = ("input_dtype = hidden_states.dtype",
+         "hidden_states = hidden_states.to(torch.float32)",
+         "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+         "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)")
+
+#: The forwards taken over, by where the weight multiplies (rms_norm.h):
+#: after the cast to the input's dtype (Llama, Mistral, Mixtral, Qwen, DeepSeek,
+#: ...), or before it, in float32 (OLMo-2, gpt-oss).
+FORMS: dict[str, tuple[str, ...]] = {
+    "after_cast": (*_BODY, "return self.weight * hidden_states.to(input_dtype)"),
+    "before_cast": (*_BODY, "return (self.weight * hidden_states).to(input_dtype)"),
+}
+_ORDERS = {"after_cast": lib.COLI_RMS_WEIGHT_AFTER_CAST, "before_cast": lib.COLI_RMS_WEIGHT_BEFORE_CAST}
+_ERR_LEN = 256
+
+
+def norm_form(cls: type) -> str | None:
+    """Which of :data:`FORMS` ``cls.forward`` computes, or None (another
+    formula, or a forward whose source cannot be read)."""
+    forward = getattr(cls, "forward", None)
+    if not callable(forward):
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (TypeError, OSError, SyntaxError, IndentationError):
+        return None
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef) or [a.arg for a in func.args.args] != ["self", "hidden_states"]:
+        return None
+    body = func.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]  # the docstring
+    statements = tuple(ast.unparse(s) for s in body)
+    return next((name for name, form in FORMS.items() if form == statements), None)
+
+
+def rms_norm(x: Any, weight: Any, eps: float, form: str = "after_cast") -> Any:
+    """The RMS norm of each row of ``x`` (a CPU torch tensor, float32 or
+    bfloat16, contiguous; rows of ``weight.numel()`` values) by ``weight``
+    (float32 or bfloat16, contiguous) as the ``form`` of :data:`FORMS`
+    computes it, in one native call. Returns a new tensor of the dtype the
+    formula gives."""
+    import torch
+
+    codes = {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(FORMS)}, not {form!r}")
+    if x.dtype not in codes or weight.dtype not in codes:
+        raise TypeError(f"rms_norm takes float32 or bfloat16 rows and weight, not {x.dtype} and {weight.dtype}")
+    if not (x.is_contiguous() and weight.is_contiguous()) or x.dim() < 1 or x.shape[-1] != weight.numel():
+        raise ValueError(f"rms_norm: contiguous rows of {weight.numel()} values wanted, got shape "
+                         f"{tuple(x.shape)}")
+    if form == "before_cast" or x.dtype == weight.dtype:
+        out_dtype = x.dtype
+    else:
+        out_dtype = torch.float32
+    out = torch.empty(x.shape, dtype=out_dtype)
+    err = ffi.new("char[]", _ERR_LEN)
+    n = weight.numel()
+    rc = lib.coli_rms_norm(ffi.cast("const void *", x.data_ptr()), ffi.cast("void *", out.data_ptr()),
+                           ffi.cast("const void *", weight.data_ptr()), x.numel() // n if n else 0, n,
+                           codes[x.dtype], codes[weight.dtype], codes[out_dtype], float(eps), _ORDERS[form],
+                           err, _ERR_LEN)
+    if rc < 0:
+        raise error_for(rc, ffi.string(err).decode(errors="replace"))
+    return out
+
+
+def _decode_forward(module: Any, form: str, torch_forward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    import torch
+
+    kernel_dtypes = (torch.float32, torch.bfloat16)
+
+    def forward(hidden_states: Any) -> Any:
+        w = module.weight
+        if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in kernel_dtypes \
+                and w.dtype in kernel_dtypes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
+                and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \
+                and hidden_states.is_contiguous() and w.is_contiguous() \
+                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
+            return rms_norm(hidden_states, w, module.variance_epsilon, form)
+        return torch_forward(hidden_states)
+
+    return forward
+
+
+def use_decode_norms(model: Any) -> int:
+    """Gives each module of ``model`` whose class's forward is one of
+    :data:`FORMS` a forward that computes at most
+    :data:`DECODE_NORM_VALUES` values without autograd with
+    :func:`rms_norm` and anything else with the class's own; returns how
+    many. The module, its class and its parameters stay as they are."""
+    forms: dict[type, str | None] = {}
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        if cls not in forms:
+            forms[cls] = norm_form(cls) if cls.__name__.endswith("RMSNorm") else None
+        form = forms[cls]
+        if form is None or not hasattr(module, "variance_epsilon"):
+            continue
+        module.forward = _decode_forward(module, form, module.forward)
+        count += 1
+    return count
