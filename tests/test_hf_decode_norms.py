@@ -13,6 +13,7 @@ Needs torch and transformers; skipped without them."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -151,6 +152,18 @@ def test_a_decode_step_computes_what_the_modules_compute(path: str) -> None:
     finally:
         for m in (native, off, plain):
             m.colibri_close()
+
+
+def test_a_deep_copy_computes_with_its_own_weight() -> None:
+    module = _norm()
+    twin = copy.deepcopy(torch.nn.Sequential(module))[0]
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        before = module(x)
+        twin.weight.mul_(-1)
+        assert torch.equal(module(x), before)
+        assert torch.equal(twin(x), -before)
+        assert use_decode_norms(torch.nn.Sequential(module)) == 0      # already set: left alone
 
 
 def test_a_norm_keeps_its_class_parameters_and_state() -> None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import textwrap
-from typing import Any, Callable
+import types
+from typing import Any
 
 from colibri._ffi import ffi, lib
 from colibri.errors import error_for
@@ -98,22 +100,21 @@ def rms_norm(x: Any, weight: Any, eps: float, form: str = "after_cast") -> Any:
     return out
 
 
-def _decode_forward(module: Any, form: str, torch_forward: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    import torch
-
+def _native_forward(self: Any, hidden_states: Any) -> Any:
+    """A norm's forward as :func:`use_decode_norms` sets it, bound to the
+    module (so a deep copy of the model binds it to the copy):
+    :func:`rms_norm` for a small forward without autograd, else the
+    class's own."""
+    torch = sys.modules["torch"]
+    w = self.weight
     kernel_dtypes = (torch.float32, torch.bfloat16)
-
-    def forward(hidden_states: Any) -> Any:
-        w = module.weight
-        if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in kernel_dtypes \
-                and w.dtype in kernel_dtypes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
-                and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \
-                and hidden_states.is_contiguous() and w.is_contiguous() \
-                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
-            return rms_norm(hidden_states, w, module.variance_epsilon, form)
-        return torch_forward(hidden_states)
-
-    return forward
+    if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in kernel_dtypes \
+            and w.dtype in kernel_dtypes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
+            and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \
+            and hidden_states.is_contiguous() and w.is_contiguous() \
+            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
+        return rms_norm(hidden_states, w, self.variance_epsilon, self.colibri_rms_form)
+    return type(self).forward(self, hidden_states)
 
 
 def use_decode_norms(model: Any) -> int:
@@ -121,7 +122,8 @@ def use_decode_norms(model: Any) -> int:
     :data:`FORMS` a forward that computes at most
     :data:`DECODE_NORM_VALUES` values without autograd with
     :func:`rms_norm` and anything else with the class's own; returns how
-    many. The module, its class and its parameters stay as they are."""
+    many. The module, its class and its parameters stay as they are; a
+    module that already has a forward of its own is left alone."""
     forms: dict[type, str | None] = {}
     count = 0
     for module in model.modules():
@@ -129,8 +131,9 @@ def use_decode_norms(model: Any) -> int:
         if cls not in forms:
             forms[cls] = norm_form(cls) if cls.__name__.endswith("RMSNorm") else None
         form = forms[cls]
-        if form is None or not hasattr(module, "variance_epsilon"):
+        if form is None or not hasattr(module, "variance_epsilon") or "forward" in vars(module):
             continue
-        module.forward = _decode_forward(module, form, module.forward)
+        module.colibri_rms_form = form
+        module.forward = types.MethodType(_native_forward, module)
         count += 1
     return count
