@@ -333,8 +333,9 @@ def test_slot_memory_is_committed_at_open_unless_lazy(tmp_path, populate):
             with store.lease(0, e) as ex:
                 assert_expert_matches(ex, want[(0, e)])
         after_reads = anonymous_rss() - before
+    # a tenth of slack: the rest of the process may give memory back meanwhile
     if populate:
-        assert at_open >= arena, f"{at_open:,} bytes resident at open for {arena:,} bytes of slots"
+        assert at_open >= arena * 9 // 10, f"{at_open:,} bytes resident at open for {arena:,} bytes of slots"
     else:
         assert at_open < arena // 4, f"{at_open:,} bytes resident at open with lazy slots"
-    assert after_reads >= arena
+    assert after_reads >= arena * 9 // 10
