@@ -109,6 +109,8 @@ def test_bad_operands_are_refused() -> None:
         rms_norm(torch.ones(2, 7), w, 1e-6)
     with pytest.raises(ValueError, match="rows of 8"):
         rms_norm(torch.ones(8, 2).t(), w, 1e-6)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        rms_norm(torch.ones(2, 8, device="meta"), w, 1e-6)
 
 
 def _norm(cls: str = "llama", n: int = 32, dtype: Any = torch.bfloat16) -> Any:
@@ -123,8 +125,8 @@ def _norm(cls: str = "llama", n: int = 32, dtype: Any = torch.bfloat16) -> Any:
 def test_small_forwards_go_native_and_large_or_autograd_ones_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     module = _norm()
     calls = []
-    native = norms.rms_norm
-    monkeypatch.setattr(norms, "rms_norm", lambda *a: calls.append(a[0].shape) or native(*a))
+    native = norms._compute
+    monkeypatch.setattr(norms, "_compute", lambda *a: calls.append(a[0].shape) or native(*a))
     small = torch.randn(1, 1, 32).to(torch.bfloat16)
     large = torch.randn(DECODE_NORM_VALUES // 32 + 1, 32).to(torch.bfloat16)
     with torch.no_grad():

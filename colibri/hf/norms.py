@@ -45,6 +45,7 @@ FORMS: dict[str, tuple[str, ...]] = {
 }
 _ORDERS = {"after_cast": lib.COLI_RMS_WEIGHT_AFTER_CAST, "before_cast": lib.COLI_RMS_WEIGHT_BEFORE_CAST}
 _ERR_LEN = 256
+_TORCH_CODES: dict[Any, int] = {}  # filled by _codes() once torch is imported
 
 
 def norm_form(cls: type) -> str | None:
@@ -71,23 +72,34 @@ def norm_form(cls: type) -> str | None:
 def rms_norm(x: Any, weight: Any, eps: float, form: str = "after_cast") -> Any:
     """The RMS norm of each row of ``x`` (a CPU torch tensor, float32 or
     bfloat16, contiguous; rows of ``weight.numel()`` values) by ``weight``
-    (float32 or bfloat16, contiguous) as the ``form`` of :data:`FORMS`
-    computes it, in one native call. Returns a new tensor of the dtype the
-    formula gives."""
-    import torch
-
-    codes = {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
+    (float32 or bfloat16, contiguous, on the CPU) as the ``form`` of
+    :data:`FORMS` computes it, in one native call. Returns a new tensor of
+    the dtype the formula gives."""
+    codes = _codes()
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, not {form!r}")
     if x.dtype not in codes or weight.dtype not in codes:
         raise TypeError(f"rms_norm takes float32 or bfloat16 rows and weight, not {x.dtype} and {weight.dtype}")
+    if not (x.is_cpu and weight.is_cpu):
+        raise ValueError(f"rms_norm computes CPU tensors, not {x.device} and {weight.device}")
     if not (x.is_contiguous() and weight.is_contiguous()) or x.dim() < 1 or x.shape[-1] != weight.numel():
         raise ValueError(f"rms_norm: contiguous rows of {weight.numel()} values wanted, got shape "
                          f"{tuple(x.shape)}")
-    if form == "before_cast" or x.dtype == weight.dtype:
-        out_dtype = x.dtype
-    else:
-        out_dtype = torch.float32
+    return _compute(x, weight, eps, form, codes)
+
+
+def _codes() -> dict[Any, int]:
+    """The core's format codes of torch's float32 and bfloat16 (torch imported)."""
+    if not _TORCH_CODES:
+        torch = sys.modules["torch"]
+        _TORCH_CODES.update({torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16})
+    return _TORCH_CODES
+
+
+def _compute(x: Any, weight: Any, eps: float, form: str, codes: dict[Any, int]) -> Any:
+    """:func:`rms_norm` on operands already checked."""
+    torch = sys.modules["torch"]
+    out_dtype = x.dtype if form == "before_cast" or x.dtype == weight.dtype else torch.float32
     out = torch.empty(x.shape, dtype=out_dtype)
     err = ffi.new("char[]", _ERR_LEN)
     n = weight.numel()
@@ -104,16 +116,16 @@ def _native_forward(self: Any, hidden_states: Any) -> Any:
     """A norm's forward as :func:`use_decode_norms` sets it, bound to the
     module (so a deep copy of the model binds it to the copy):
     :func:`rms_norm` for a small forward without autograd, else the
-    class's own."""
+    class's own. It checks the operands once, here."""
     torch = sys.modules["torch"]
     w = self.weight
-    kernel_dtypes = (torch.float32, torch.bfloat16)
-    if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in kernel_dtypes \
-            and w.dtype in kernel_dtypes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
+    codes = _codes()
+    if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in codes \
+            and w.dtype in codes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
             and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \
             and hidden_states.is_contiguous() and w.is_contiguous() \
             and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
-        return rms_norm(hidden_states, w, self.variance_epsilon, self.colibri_rms_form)
+        return _compute(hidden_states, w, self.variance_epsilon, self.colibri_rms_form, codes)
     return type(self).forward(self, hidden_states)
 
 
