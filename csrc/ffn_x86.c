@@ -5,11 +5,13 @@
  * the package's ordinary flags and nothing here runs unless ffn.c's CPUID
  * check chose the path. The float32 kernels are written once
  * (ffn_x86_f32.h) over each path's vector; the AVX-512 path adds kernels
- * that multiply bfloat16 inputs with vdpbf16ps where the CPU has
- * AVX512_BF16 (ffn_x86_bf16.h).
+ * for bfloat16 calls where the CPU has AVX512_BF16: vdpbf16ps products
+ * (ffn_x86_bf16.h), and for int4 16-bit integer ones (ffn_x86_int4.h,
+ * with AVX512_VNNI).
  */
 #if defined(__x86_64__) || defined(__i386__)
 
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
@@ -145,6 +147,7 @@ AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_
 #include "ffn_x86_f32.h"
 
 #include "ffn_x86_bf16.h"
+#include "ffn_x86_int4.h"
 
 /* ------------------------------------------------------------ AVX2 vectors */
 
@@ -533,9 +536,9 @@ static const ColiFfnKernel K256_GPTQ_ACT = KERNEL("gptq/avx2", COLI_FFN_ORDER_PL
 static const ColiFfnKernel K256_AWQ = KERNEL("awq/avx2", COLI_FFN_ORDER_PLAIN, 1, 64,
                                              ax_scratch_256, ax_run_256);
 
-static const ColiFfnKernel K512_INT4_BF16 = {"int4-bf16/avx512", COLI_FFN_X_BF16,
+static const ColiFfnKernel K512_INT4_BF16 = {"int4-i16/avx512", COLI_FFN_X_BF16,
                                               COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_x};
-static const ColiFfnKernel K512_INT4_SPLIT = {"int4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
+static const ColiFfnKernel K512_INT4_SPLIT = {"int4-i16/avx512", COLI_FFN_X_BF16_SPLIT,
                                                COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_split};
 static const ColiFfnKernel K512_GPTQ_BF16 = {"gptq-bf16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_G8,
                                               1, 16, gx_scratch, gx_run_x};

@@ -1,7 +1,8 @@
 /*
- * ffn_x86_bf16.h (private, included once by ffn_x86.c): AVX-512 DOT
- * kernels for int4 and MXFP4 that multiply bfloat16 inputs with
- * vdpbf16ps (AVX512_BF16), two products per lane and instruction.
+ * ffn_x86_bf16.h (private, included once by ffn_x86.c): AVX-512 kernels
+ * for MXFP4, GPTQ and AWQ that multiply bfloat16 inputs with vdpbf16ps
+ * (AVX512_BF16), two products per lane and instruction (int4's multiplies
+ * 16-bit integers: ffn_x86_int4.h).
  *
  * Inputs are the call's bfloat16 tokens (gate and up), or a float32
  * activation split into a bfloat16 high part and the bfloat16 rounding of
@@ -21,33 +22,16 @@
  * each block's A vector into chain 0, its B vector's into chain 1, block
  * after block; the result is the lane tree of c0 + c1.
  *
- * int4 (inputs in Q128 order). 128 inputs are 64 bytes, read as 32 words:
- * nibble s of word i is input 4i + s, so vector n_s = the words' nibble s,
- * each OR 0x4300, which as bfloat16 is exactly 128 + q: no table, only
- * logic (vpermw competes with vdpbf16ps for the same two pipes; vpternlog
- * and shifts do not). Lane l of a chunk's sums covers inputs 8l .. 8l + 7.
- * Sum, per chunk of 128 inputs: p = 0, then the terms of n_0 .. n_3 in
- * order into p; c = fma(p, S, c), S the chunk's scales (one, or one per
- * quarter of 32 inputs: lanes 4j .. 4j + 3). The offset comes off once per
- * row: per correction unit u (a group that is a multiple of 128 inputs,
- * else a quarter), W_u = s_u (128 + z_u) and X_u = the sum of the token's
- * inputs of the unit (vdpbf16ps of ones: chunk by chunk, the lane tree);
- * cv = fma(W, X, cv) over the units 16 at a time; the result is the lane
- * tree of c - cv. The rounding error of the offset is about 2^-24 * 136 *
- * sum |x| per group, far inside the bfloat16 bound.
- *
  * A few tokens stream the weights, several rows side by side; MXFP4 with
  * more tokens decodes rows once into a tile, a slice of inputs at a time,
  * the chains waiting in scratch between slices (its decode competes with the
- * products; int4's does not, so int4 streams for every batch, a block of
- * tokens at a time, the rows' bytes in L1). Every loop performs the sums
- * above, so a token's bits do not depend on its batch.
+ * products). Every loop performs the sums above, so a token's bits do not
+ * depend on its batch.
  */
 
 #define BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
 
-/* QS_TB: int4's largest block of tokens (four: more chains, measured slower). */
-enum { BF_ROWS = 4, BF_STREAM_TOKENS = 2, BT_TOKENS = 4, QS_TB = 2 };
+enum { BF_ROWS = 4, BF_STREAM_TOKENS = 2, BT_TOKENS = 4 };
 
 /* How far ahead streaming kernels prefetch: cold weights need about 8 KiB
  * in flight for one thread to read at the memory's streaming rate
@@ -315,37 +299,6 @@ static void bf_run_split(const ColiFfnMat *m, int64_t n0, int64_t n1, const Coli
     bf_rows(m, n0, n1, task, 2);
 }
 
-/* ================================================================ int4 */
-
-typedef struct {
-    const ColiFfnMat *m;
-    int64_t row_bytes, chunks;  /* chunks of 128 inputs */
-    int64_t whole;              /* chunks holding 128 inputs (the last may hold fewer) */
-    __mmask64 tail;             /* the bytes of a last partial chunk */
-    int quarters;               /* scales per quarter (groups not a multiple of 128) */
-    int64_t units;              /* correction units of a row: groups, or quarters */
-    int64_t ul;                 /* units rounded up to 16 */
-    int64_t sn;                 /* scales of a row: one per chunk, or per quarter */
-    int64_t pl;                 /* params of a row: sn scales (rounded up), then ul weights */
-} QsInfo;
-
-static QsInfo qs_info(const ColiFfnMat *m) {
-    QsInfo q;
-    memset(&q, 0, sizeof q);
-    q.m = m;
-    q.row_bytes = m->n_in / 2;
-    q.chunks = (m->n_in + 127) / 128;
-    q.whole = m->n_in / 128;
-    int64_t tail = (m->n_in % 128) / 2;
-    q.tail = tail ? (((__mmask64)1 << tail) - 1) : 0;
-    q.quarters = m->group % 128 != 0;
-    q.units = q.quarters ? (m->n_in + 31) / 32 : m->groups;
-    q.ul = coli_ffn_round_up(q.units, 16);
-    q.sn = q.quarters ? 4 * q.chunks : q.chunks;
-    q.pl = coli_ffn_round_up(q.sn, 16) + q.ul;
-    return q;
-}
-
 /* Scales of format f from element i on (k: the lanes to load) as floats. */
 BF16 INLINE __m512 qs_scales(ColiScaleFormat f, const uint8_t *scales, int64_t i, __mmask16 k) {
     if (f == COLI_SCALE_F32) return _mm512_maskz_loadu_ps(k, scales + 4 * i);
@@ -353,268 +306,6 @@ BF16 INLINE __m512 qs_scales(ColiScaleFormat f, const uint8_t *scales, int64_t i
     if (f == COLI_SCALE_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-
-/* Groups of 128 or 32 inputs (one S and one W per group): the rows' params
- * 16 groups at a time, whole vectors (zero past the groups) covering the
- * padding. F: the scale format, a constant where called. */
-BF16 INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f) {
-    const ColiFfnMat *m = q->m;
-    const int64_t sl = q->pl - q->ul;  /* S's floats */
-    for (int r = 0; r < BF_ROWS; r++) {
-        int64_t o = o0 + (r < nr ? r : 0);
-        float *S = ps + r * q->pl, *W = S + sl;
-        const uint8_t *zw = m->zeros ? m->zeros + 4 * ((o / 8) * m->groups) : NULL;
-        unsigned shift = (unsigned)(4 * (o % 8));
-        for (int64_t g = 0; g < q->ul; g += 16) {
-            int64_t n = m->groups - g;
-            __mmask16 k = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
-            __m512 sc = qs_scales(f, m->scales, o * m->groups + g, k), z = _mm512_set1_ps(136.0f);
-            if (zw) {
-                __m512i w = _mm512_srli_epi32(_mm512_maskz_loadu_epi32(k, zw + 4 * g), shift);
-                z = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xf))),
-                                  _mm512_set1_ps(128.0f));
-            }
-            _mm512_storeu_ps(W + g, _mm512_mul_ps(sc, z));
-            if (g < sl) _mm512_storeu_ps(S + g, sc);
-        }
-    }
-}
-
-/* Params of rows o0 .. o0 + BF_ROWS - 1 (those past nr repeat the first),
- * pl floats each: the scales S (per chunk or per quarter), then the
- * correction weights W = s (128 + z) per unit, zero past the units. */
-BF16 static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
-    const ColiFfnMat *m = q->m;
-    if (m->group == 128 || m->group == 32) {
-        switch (m->scale_format) {
-        case COLI_SCALE_F32: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F32); return;
-        case COLI_SCALE_F16: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F16); return;
-        default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16); return;
-        }
-    }
-    for (int r = 0; r < BF_ROWS; r++) {
-        int64_t o = o0 + (r < nr ? r : 0);
-        float *S = ps + r * q->pl, *W = S + q->pl - q->ul;
-        memset(W, 0, sizeof(float) * (size_t)q->ul);
-        memset(S, 0, sizeof(float) * (size_t)(q->pl - q->ul));
-        if (q->quarters) {  /* groups of 64, 96, ...: a quarter's group */
-            for (int64_t j = 0; j < q->units; j++) {
-                int64_t g = 32 * j / m->group;
-                S[j] = coli_ffn_scale_at(m, o * m->groups + g);
-                W[j] = S[j] * (128.0f + (float)(m->zeros ? coli_ffn_zero_at(m, o, g) : 8));
-            }
-            continue;
-        }
-        for (int64_t g = 0; g < m->groups; g++)  /* groups of 256, 384, ...: per group, each chunk's */
-            W[g] = coli_ffn_scale_at(m, o * m->groups + g) *
-                   (128.0f + (float)(m->zeros ? coli_ffn_zero_at(m, o, g) : 8));
-        for (int64_t c = 0; c < q->chunks; c++)
-            S[c] = coli_ffn_scale_at(m, o * m->groups + 128 * c / m->group);
-    }
-}
-
-/* X: per token (ul floats each, zero past the units), the sum of its
- * inputs of each unit: per chunk p = the vdpbf16ps of ones with its
- * vectors (parts in turn, as the terms), then per unit the lane tree of
- * the sum of its chunks' p (groups), or each quarter's four lanes
- * ((l0 + l1) + (l2 + l3)). */
-BF16 static void qs_sums(const QsInfo *q, const uint16_t *x, int64_t ldx, int64_t part, int ns,
-                         int tokens, float *X) {
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-    int64_t cpg = q->quarters ? 1 : q->m->group / 128;
-    for (int t = 0; t < tokens; t++) {
-        float *xt = X + t * q->ul;
-        memset(xt, 0, sizeof(float) * (size_t)q->ul);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < q->chunks; c++) {
-            __m512 p = _mm512_setzero_ps();
-            for (int s = 0; s < 4; s++)
-                for (int h = 0; h < ns; h++)
-                    p = _mm512_dpbf16_ps(p, ones, (__m512bh)_mm512_loadu_si512(
-                                                      x + t * ldx + h * part + 128 * c + 32 * s));
-            if (q->quarters) {
-                float l[16];
-                _mm512_storeu_ps(l, p);
-                for (int j = 0; j < 4 && 4 * c + j < q->units; j++)
-                    xt[4 * c + j] = (l[4 * j] + l[4 * j + 1]) + (l[4 * j + 2] + l[4 * j + 3]);
-                continue;
-            }
-            acc = c % cpg ? _mm512_add_ps(acc, p) : p;
-            if (c % cpg == cpg - 1) xt[c / cpg] = tree_512(acc);
-        }
-    }
-}
-
-/* Chunk CI of row r decoded into n[4]. WHOLE: it holds 128 inputs. */
-#define QS_DECODE(n, r, CI, WHOLE)                                                           \
-    do {                                                                                     \
-        const uint8_t *src_ = rows[r] + 64 * (CI);                                           \
-        __m512i w_ = WHOLE ? _mm512_loadu_si512(src_) : _mm512_maskz_loadu_epi8(q->tail, src_); \
-        /* the group of rows' bytes in order, not four streams (measured faster) */          \
-        _mm_prefetch((const char *)rows[0] + ahead + 64 * (BF_ROWS * (CI) + (r)), _MM_HINT_T0); \
-        n[0] = _mm512_ternarylogic_epi32(w_, lo, bias, 0xea);                                \
-        n[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w_, 4), lo, bias, 0xea);          \
-        n[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w_, 8), lo, bias, 0xea);          \
-        n[3] = _mm512_or_si512(_mm512_srli_epi16(w_, 12), bias);                             \
-    } while (0)
-
-/* Chunk CI's scale vector of row r. */
-#define QS_SCALE(r, CI)                                                                      \
-    (QUARTERS_ ? _mm512_permutexvar_ps(expand, _mm512_castps128_ps512(                       \
-                                                   _mm_loadu_ps(ps + (r) * q->pl + 4 * (CI)))) \
-               : _mm512_set1_ps(ps[(r) * q->pl + (CI)]))
-
-/* The terms of vector s of chunk CI for token t into P. */
-#define QS_TERMS(P, N, t, CI, s)                                                             \
-    UNROLL for (int h = 0; h < NS_; h++)                                                     \
-        P = _mm512_dpbf16_ps(P, (__m512bh)(N), (__m512bh)_mm512_loadu_si512(                 \
-                                 x + (t) * ldx + h * part + 128 * (CI) + 32 * (s)))
-
-/* Two chains per (row, token) and chunk: p0 takes the terms of n_0 and
- * n_2, p1 those of n_1 and n_3. One token: chunk after chunk, the four
- * rows' chains side by side. */
-#define QS_CHUNK1(CI, WHOLE)                                                                 \
-    do {                                                                                     \
-        __m512i n[BF_ROWS][4];                                                               \
-        __m512 p[BF_ROWS][2];                                                                \
-        UNROLL for (int r = 0; r < BF_ROWS; r++) {                                           \
-            QS_DECODE(n[r], r, CI, WHOLE);                                                   \
-            p[r][0] = p[r][1] = _mm512_setzero_ps();                                         \
-        }                                                                                    \
-        UNROLL for (int s = 0; s < 4; s++)                                                   \
-            UNROLL for (int r = 0; r < BF_ROWS; r++) QS_TERMS(p[r][s & 1], n[r][s], 0, CI, s); \
-        UNROLL for (int r = 0; r < BF_ROWS; r++)                                             \
-            c[r][0] = _mm512_fmadd_ps(_mm512_add_ps(p[r][0], p[r][1]), QS_SCALE(r, CI), c[r][0]); \
-    } while (0)
-
-/* More tokens: chunk after chunk, row after row, the tokens' chains side
- * by side (the rows' bytes come from L1 after the first block of tokens). */
-#define QS_CHUNKT(CI, WHOLE)                                                                 \
-    UNROLL for (int r = 0; r < BF_ROWS; r++) {                                               \
-        __m512i n[4];                                                                        \
-        __m512 p[TB_][2];                                                                    \
-        QS_DECODE(n, r, CI, WHOLE);                                                          \
-        UNROLL for (int t = 0; t < TB_; t++) p[t][0] = p[t][1] = _mm512_setzero_ps();        \
-        UNROLL for (int s = 0; s < 4; s++)                                                   \
-            UNROLL for (int t = 0; t < TB_; t++) QS_TERMS(p[t][s & 1], n[s], t, CI, s);      \
-        __m512 sv = QS_SCALE(r, CI);                                                         \
-        UNROLL for (int t = 0; t < TB_; t++)                                                 \
-            c[r][t] = _mm512_fmadd_ps(_mm512_add_ps(p[t][0], p[t][1]), sv, c[r][t]);         \
-    }
-
-/* Row r's results for TB tokens (sums C[t]): the lane tree of c - cv. */
-#define QS_RESULT(r, C)                                                                      \
-    do {                                                                                     \
-        const float *W = ps + (r) * q->pl + q->pl - q->ul;                                   \
-        UNROLL for (int t = 0; t < TB_; t++) {                                               \
-            __m512 cv = _mm512_setzero_ps();                                                 \
-            for (int64_t j = 0; j < q->ul; j += 16)                                          \
-                cv = _mm512_fmadd_ps(_mm512_loadu_ps(W + j), _mm512_loadu_ps(X + t * q->ul + j), cv); \
-            dst[t * ld_dst + o0 + (r)] = tree_512(_mm512_sub_ps(C[t], cv));                  \
-        }                                                                                    \
-    } while (0)
-
-/* Rows o0 .. o0 + nr - 1 for TB tokens, NS parts (X: the tokens' sums). */
-#define QS_STREAM(TB, NS, QUARTERS)                                                          \
-    BF16 static void qs_stream_##TB##_##NS##_##QUARTERS(                                    \
-        const QsInfo *q, int64_t o0, int nr, const uint16_t *x, int64_t ldx, int64_t part,   \
-        const float *ps, const float *X, float *dst, int64_t ld_dst) {                       \
-        enum { TB_ = TB, NS_ = NS, QUARTERS_ = QUARTERS };                                   \
-        const __m512i lo = _mm512_set1_epi16(0xf), bias = _mm512_set1_epi16(0x4300);         \
-        const __m512i expand = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); \
-        const int64_t ahead = rows_ahead(BF_ROWS * q->row_bytes);                            \
-        const uint8_t *rows[BF_ROWS];                                                        \
-        (void)expand;                                                                        \
-        UNROLL for (int r = 0; r < BF_ROWS; r++)                                             \
-            rows[r] = q->m->data + (o0 + (r < nr ? r : 0)) * q->row_bytes;                   \
-        __m512 c[BF_ROWS][TB];                                                               \
-        UNROLL for (int r = 0; r < BF_ROWS; r++)                                             \
-            UNROLL for (int t = 0; t < TB; t++) c[r][t] = _mm512_setzero_ps();               \
-        if (TB == 1) {                                                                       \
-            for (int64_t ci = 0; ci < q->whole; ci++) QS_CHUNK1(ci, 1);                      \
-            if (q->whole < q->chunks) QS_CHUNK1(q->whole, 0);                                \
-        } else {                                                                             \
-            for (int64_t ci = 0; ci < q->whole; ci++) QS_CHUNKT(ci, 1)                       \
-            if (q->whole < q->chunks) QS_CHUNKT(q->whole, 0)                                 \
-        }                                                                                    \
-        UNROLL for (int r = 0; r < BF_ROWS; r++) if (r < nr) QS_RESULT(r, c[r]);            \
-    }
-#define QS_STREAMS(Q)                                                                        \
-    QS_STREAM(1, 1, Q) QS_STREAM(2, 1, Q) QS_STREAM(1, 2, Q) QS_STREAM(2, 2, Q)
-QS_STREAMS(0)
-QS_STREAMS(1)
-#undef QS_STREAMS
-#undef QS_STREAM
-#undef QS_CHUNK1
-#undef QS_CHUNKT
-#undef QS_RESULT
-#undef QS_TERMS
-#undef QS_SCALE
-#undef QS_DECODE
-
-typedef void (*QsStreamFn)(const QsInfo *q, int64_t o0, int nr, const uint16_t *x, int64_t ldx,
-                           int64_t part, const float *ps, const float *X, float *dst,
-                           int64_t ld_dst);
-#define QS_FNS(Q) {{qs_stream_1_1_##Q, qs_stream_2_1_##Q}, {qs_stream_1_2_##Q, qs_stream_2_2_##Q}}
-static const QsStreamFn QS_STREAM_FNS[2][2][QS_TB] = {QS_FNS(0), QS_FNS(1)};
-#undef QS_FNS
-
-/* Scratch: the params of a group of rows, the tokens' sums. */
-static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
-    (void)n0, (void)n1;
-    QsInfo q = qs_info(m);
-    return sizeof(float) * (size_t)(BF_ROWS * q.pl + tokens * q.ul);
-}
-
-/* The scales (and zero points) of rows o .. o + BF_ROWS - 1 into L1: a
- * stream of their own the rows' prefetch does not cover (with groups of
- * 32 and bfloat16 scales, an eighth of a row's bytes; left to demand
- * misses, measured a quarter of a cold expert's time). */
-static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
-    const ColiFfnMat *m = q->m;
-    if (o >= n1) return;
-    int64_t end = o + BF_ROWS < n1 ? o + BF_ROWS : n1;
-    int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;
-    int64_t b0 = o * m->groups * ss, b1 = end * m->groups * ss;
-    for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64)
-        _mm_prefetch((const char *)m->scales + b, _MM_HINT_T0);
-    if (m->zeros && o % 8 < BF_ROWS)  /* eight rows' zero points share a row of words */
-        for (int64_t b = 0; b < 4 * m->groups; b += 64)
-            _mm_prefetch((const char *)m->zeros + 4 * (o / 8) * m->groups + b, _MM_HINT_T0);
-}
-
-static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
-    QsInfo q = qs_info(m);
-    /* the params' stream as far ahead as the rows' (whole blocks of rows) */
-    const int64_t pa = BF_ROWS * (rows_ahead(BF_ROWS * q.row_bytes) / (BF_ROWS * q.row_bytes));
-    float *ps = (float *)task->scratch, *X = ps + BF_ROWS * q.pl;
-    const uint16_t *x = (const uint16_t *)task->x;
-    int64_t part = ns == 2 ? task->ldx / 2 : 0;
-    qs_sums(&q, x, task->ldx, part, ns, task->tokens, X);
-    for (int64_t o0 = n0; o0 < n1; o0 += BF_ROWS) {
-        int nr = n1 - o0 < BF_ROWS ? (int)(n1 - o0) : BF_ROWS;
-        qs_prefetch_params(&q, o0 + pa, n1);
-        qs_params(&q, o0, nr, ps);
-        for (int t0 = 0; t0 < task->tokens;) {
-            int tb = task->tokens - t0 >= QS_TB ? QS_TB : 1;
-            QS_STREAM_FNS[q.quarters][ns - 1][tb - 1](
-                &q, o0, nr, x + t0 * task->ldx, task->ldx, part, ps, X + t0 * q.ul,
-                task->dst + t0 * task->ld_dst, task->ld_dst);
-            t0 += tb;
-        }
-    }
-}
-
-static void qs_run_x(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    qs_rows(m, n0, n1, task, 1);
-}
-
-static void qs_run_split(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    qs_rows(m, n0, n1, task, 2);
-}
-
-/* Whether an int4 matrix has a bf16 kernel: groups of a multiple of 32. */
-static int qs_takes(const ColiFfnMat *m) { return m->group % 32 == 0; }
 
 /* ================================================================ GPTQ
  *

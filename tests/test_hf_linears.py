@@ -115,16 +115,44 @@ def test_float32_logits_and_greedy_tokens_equal_the_exact_reference(path: str) -
         plain.colibri_close()
 
 
+def _logits_and_routes(model: Any, ids: Any) -> tuple[Any, Any]:
+    """The logits, and each layer's chosen experts per token (sorted), or
+    None when the model reports no router logits."""
+    out = model(ids, output_router_logits=True)
+    logits = getattr(out, "router_logits", None)
+    if not logits:
+        return out.logits.float(), None
+    k = model.config.num_experts_per_tok
+    return out.logits.float(), torch.stack([r.float().topk(k, dim=-1).indices.sort(dim=-1).values
+                                            .reshape(*ids.shape, k) for r in logits])
+
+
 def test_bfloat16_no_further_than_the_torch_path(path: str) -> None:
+    """Both bfloat16 models against the exact float32 one, on the tokens
+    before any layer routes one of a sequence's tokens to other experts in
+    either model: the tiny models' router logits have near ties (margins of
+    1e-3), which bfloat16 noise from any path decides either way, and a
+    token routed elsewhere, and every later token of its sequence, then
+    differs by far more than the kernels' error. The two paths round at
+    different places, and over a few layers either one's error comes out
+    up to a quarter larger than the other's depending on the prompt, so
+    the native path may be at most 1.5 times as far as the torch one (a
+    wrong scale or a lost bit of the inputs is far more)."""
     exact = _exact(hf.from_pretrained(path, torch_dtype=torch.float32, kernels="torch"), path)
     native = hf.from_pretrained(path, torch_dtype=torch.bfloat16)
     plain = hf.from_pretrained(path, torch_dtype=torch.bfloat16, kernels="torch")
     try:
         ids = _ids(native.config.vocab_size)
         with torch.no_grad():
-            want = exact(ids).logits
-            errors = [float((m(ids).logits.float() - want).abs().max() / want.abs().max()) for m in (native, plain)]
-        assert errors[0] <= max(errors[1], 2.0 ** -8), errors
+            want, routes = _logits_and_routes(exact, ids)
+            got = [_logits_and_routes(m, ids) for m in (native, plain)]
+        kept = torch.ones(ids.shape, dtype=torch.bool)
+        if routes is not None:
+            for _, r in got:
+                kept &= torch.cumprod((r == routes).all(-1).all(0).int(), dim=-1).bool()
+        assert int(kept.sum()) >= ids.numel() // 4, kept
+        errors = [float((g[kept] - want[kept]).abs().max() / want[kept].abs().max()) for g, _ in got]
+        assert errors[0] <= 1.5 * max(errors[1], 2.0 ** -8), errors
     finally:
         for m in (exact, native, plain):
             m.colibri_close()

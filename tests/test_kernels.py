@@ -105,6 +105,32 @@ def test_every_format_and_activation_matches_the_reference(checkpoints: dict[str
             assert relative_error(gotb, reference(weights, xb, activation)) <= BF16_BOUND, tokens
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas())
+def test_int4_inputs_of_any_magnitude_zeros_and_non_finite_ones(checkpoints: dict[str, Path],
+                                                                 isa: str) -> None:
+    """The avx512 path quantises a bfloat16 call's int4 inputs per chunk of
+    128 (to 2^-15 of the chunk's largest): inputs spread over 2^42 still
+    meet the bound, a token of zeros gets its exact result, and a token with
+    a NaN or an infinity gets no finite output while its batch is unharmed."""
+    rng = np.random.default_rng(23)
+    for ex in _leased(checkpoints["int4"]):
+        weights = colibri.dequantize(ex)
+        hidden = weights["down"].shape[0]
+        x = (rng.standard_normal((5, hidden)) * 2.0 ** rng.uniform(-30, 12, (5, hidden))).astype(np.float32)
+        x[1] = 0.0
+        x[2, 7] = np.nan
+        x[3, hidden - 1] = np.inf
+        for dtype, bound in ((np.float32, F32_BOUND), (BF16, BF16_BOUND)):
+            xd = x.astype(dtype)
+            got = np.asarray(kernels.expert_ffn(ex, xd, isa=isa), dtype=np.float64)
+            for t in (0, 1, 4):
+                want = reference(weights, xd[t:t + 1], "silu")
+                assert relative_error(got[t:t + 1], want) <= bound, (dtype, t)
+            alone = np.asarray(kernels.expert_ffn(ex, xd[1:2], isa=isa), dtype=np.float64)
+            assert np.array_equal(got[1:2], alone)
+            assert not np.isfinite(got[2:4]).any(), dtype
+
+
 @pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_simd_paths_agree_with_scalar(checkpoints: dict[str, Path], fmt: str, isa: str) -> None:
