@@ -6,8 +6,8 @@
  * check chose the path. The float32 kernels are written once
  * (ffn_x86_f32.h) over each path's vector; the AVX-512 path adds kernels
  * for bfloat16 calls where the CPU has AVX512_BF16: vdpbf16ps products
- * (ffn_x86_bf16.h), and for int4 16-bit integer ones (ffn_x86_int4.h,
- * with AVX512_VNNI).
+ * for MXFP4 (ffn_x86_bf16.h), and with AVX512_VNNI 16-bit integer ones for
+ * int4 (ffn_x86_int4.h), GPTQ and AWQ (ffn_x86_gx.h).
  */
 #if defined(__x86_64__) || defined(__i386__)
 
@@ -148,6 +148,7 @@ AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_
 
 #include "ffn_x86_bf16.h"
 #include "ffn_x86_int4.h"
+#include "ffn_x86_gx.h"
 
 /* ------------------------------------------------------------ AVX2 vectors */
 
@@ -540,14 +541,14 @@ static const ColiFfnKernel K512_INT4_BF16 = {"int4-i16/avx512", COLI_FFN_X_BF16,
                                               COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_x};
 static const ColiFfnKernel K512_INT4_SPLIT = {"int4-i16/avx512", COLI_FFN_X_BF16_SPLIT,
                                                COLI_FFN_ORDER_Q128, 0, 1, qs_scratch, qs_run_split};
-static const ColiFfnKernel K512_GPTQ_BF16 = {"gptq-bf16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_G8,
-                                              1, 16, gx_scratch, gx_run_x};
-static const ColiFfnKernel K512_GPTQ_SPLIT = {"gptq-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
-                                               COLI_FFN_ORDER_G8, 1, 16, gx_scratch, gx_run_split};
-static const ColiFfnKernel K512_AWQ_BF16 = {"awq-bf16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_PLAIN,
-                                             1, 128, gx_scratch, gx_run_x};
-static const ColiFfnKernel K512_AWQ_SPLIT = {"awq-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
-                                              COLI_FFN_ORDER_PLAIN, 1, 128, gx_scratch, gx_run_split};
+static const ColiFfnKernel K512_GPTQ_BF16 = {"gptq-i16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_G8,
+                                              0, 16, gx_scratch, gx_run_x};
+static const ColiFfnKernel K512_GPTQ_SPLIT = {"gptq-i16/avx512", COLI_FFN_X_BF16_SPLIT,
+                                               COLI_FFN_ORDER_G8, 0, 16, gx_scratch, gx_run_split};
+static const ColiFfnKernel K512_AWQ_BF16 = {"awq-i16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_PLAIN,
+                                             0, 128, gx_scratch, gx_run_x};
+static const ColiFfnKernel K512_AWQ_SPLIT = {"awq-i16/avx512", COLI_FFN_X_BF16_SPLIT,
+                                              COLI_FFN_ORDER_PLAIN, 0, 128, gx_scratch, gx_run_split};
 static const ColiFfnKernel K512_MXFP4_BF16 = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16,
                                                COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_x};
 static const ColiFfnKernel K512_MXFP4_SPLIT = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,

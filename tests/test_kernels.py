@@ -255,7 +255,10 @@ def test_a_call_larger_than_one_batch() -> None:
     ("gptq", 1088, 768, {"group": 128, "g_idx": "act_order"}),
     # act order with many groups: one token's call runs several panels of outputs
     ("gptq", 1088, 2400, {"group": 16, "g_idx": "act_order"}),
-    ("awq", 1088, 768, {"group": 128}), ("awq", 1088, 776, {"group": 10})])
+    ("awq", 1088, 768, {"group": 128}), ("awq", 1088, 776, {"group": 10}),
+    # groups of more than 128 inputs: the avx512 integer kernels quantise and
+    # sum their inputs in parts of a group (128 inputs; 64 of 1088)
+    ("gptq", 1024, 768, {"group": 256, "g_idx": None}), ("awq", 1088, 768, {"group": -1})])
 def test_wide_matrices_and_many_tokens(fmt: str, hidden: int, inter: int,
                                        options: dict[str, Any]) -> None:
     """Shapes past the small ones hypothesis draws: several panels of
