@@ -5,9 +5,9 @@
  * the package's ordinary flags and nothing here runs unless ffn.c's CPUID
  * check chose the path. The float32 kernels are written once
  * (ffn_x86_f32.h) over each path's vector; the AVX-512 path adds kernels
- * for bfloat16 calls where the CPU has AVX512_BF16: vdpbf16ps products
- * for MXFP4 (ffn_x86_bf16.h), and with AVX512_VNNI 16-bit integer ones for
- * int4 (ffn_x86_int4.h), GPTQ and AWQ (ffn_x86_gx.h).
+ * for bfloat16 calls where the CPU has AVX512_BF16 and AVX512_VNNI, with
+ * 16-bit integer products (ffn_x86_i16.h): int4 (ffn_x86_int4.h), GPTQ and
+ * AWQ (ffn_x86_gx.h), MXFP4 (ffn_x86_mxfp4.h).
  */
 #if defined(__x86_64__) || defined(__i386__)
 
@@ -146,9 +146,10 @@ AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_
 #define plain_vec plain_512
 #include "ffn_x86_f32.h"
 
-#include "ffn_x86_bf16.h"
+#include "ffn_x86_i16.h"
 #include "ffn_x86_int4.h"
 #include "ffn_x86_gx.h"
+#include "ffn_x86_mxfp4.h"
 
 /* ------------------------------------------------------------ AVX2 vectors */
 
@@ -549,10 +550,10 @@ static const ColiFfnKernel K512_AWQ_BF16 = {"awq-i16/avx512", COLI_FFN_X_BF16, C
                                              0, 128, gx_scratch, gx_run_x};
 static const ColiFfnKernel K512_AWQ_SPLIT = {"awq-i16/avx512", COLI_FFN_X_BF16_SPLIT,
                                               COLI_FFN_ORDER_PLAIN, 0, 128, gx_scratch, gx_run_split};
-static const ColiFfnKernel K512_MXFP4_BF16 = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16,
-                                               COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_x};
-static const ColiFfnKernel K512_MXFP4_SPLIT = {"mxfp4-bf16/avx512", COLI_FFN_X_BF16_SPLIT,
-                                                COLI_FFN_ORDER_EO64, 0, 1, bf_scratch, bf_run_split};
+static const ColiFfnKernel K512_MXFP4_BF16 = {"mxfp4-i16/avx512", COLI_FFN_X_BF16,
+                                               COLI_FFN_ORDER_EO64, 0, 1, mi_scratch, mi_run_x};
+static const ColiFfnKernel K512_MXFP4_SPLIT = {"mxfp4-i16/avx512", COLI_FFN_X_BF16_SPLIT,
+                                                COLI_FFN_ORDER_EO64, 0, 1, mi_scratch, mi_run_split};
 
 const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input) {
     if (!coli_ffn_format_computed(m->format, m->in_out)) return NULL;
@@ -560,7 +561,7 @@ const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input) {
     int split = input == COLI_FFN_INPUT_ACT;
     switch (m->format) {
     case COLI_TENSOR_FP4_NATIVE_BLOCK:
-        if (bf16) return split ? &K512_MXFP4_SPLIT : &K512_MXFP4_BF16;
+        if (bf16 && mi_takes()) return split ? &K512_MXFP4_SPLIT : &K512_MXFP4_BF16;
         return &K512_MXFP4;
     case COLI_TENSOR_INT4_BLOCK:
         if (bf16 && qs_takes(m)) return split ? &K512_INT4_SPLIT : &K512_INT4_BF16;

@@ -1,9 +1,8 @@
 /*
- * ffn_x86_gx.h (private, included once by ffn_x86.c after ffn_x86_int4.h):
+ * ffn_x86_gx.h (private, included once by ffn_x86.c after ffn_x86_i16.h):
  * the AVX-512 kernels for GPTQ (without act order) and AWQ in a bfloat16
- * call, on CPUs with AVX512_BF16 and AVX512_VNNI. As int4's
- * (ffn_x86_int4.h, which says why), they multiply 16-bit integers with
- * vpdpwssd: the nibbles as stored, the inputs quantised by the kernel.
+ * call, with 16-bit integer products (see ffn_x86_i16.h): the nibbles as
+ * stored, the inputs quantised by the kernel.
  *
  * Inputs, as the driver writes them for a bfloat16 kernel (the call's
  * tokens for gate and up, down's activations in two bfloat16 parts), are
@@ -27,8 +26,6 @@
  * input j + 4 at 2j + 1, j < 4), so that vector j of a word row, the words
  * shifted right by 4j and masked to nibbles j and j + 4, pairs with the
  * token's 32-bit pair (2j, 2j + 1) of 16-bit inputs. */
-
-#define GX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
 /* A range of outputs of a GPTQ or AWQ matrix (AWQ's below). */
 typedef struct {
@@ -55,18 +52,18 @@ static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
     g.seg = gx_segment(m, g.awq ? 2 : 8);
     g.nv = g.awq ? (g.words + 15) / 16 : (g.n + 15) / 16;
     int64_t bytes = g.awq ? 4 * g.words : 4 * g.n;  /* of a stored row in the range */
-    g.ahead = (BF_AHEAD + bytes - 1) / bytes;
+    g.ahead = (I16_AHEAD + bytes - 1) / bytes;
     if (g.ahead < 1) g.ahead = 1;
     return g;
 }
 
-GX INLINE __mmask16 gq_lanes(const GxInfo *q, int64_t v) {
+VNNI INLINE __mmask16 gq_lanes(const GxInfo *q, int64_t v) {
     int64_t left = q->n - 16 * v;
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
 /* Group g's z (integers) and s for vector v's outputs. */
-GX INLINE void gq_params(const GxInfo *q, int64_t g, int64_t v, __m512i *zv, __m512 *sv) {
+VNNI INLINE void gq_params(const GxInfo *q, int64_t g, int64_t v, __m512i *zv, __m512 *sv) {
     const ColiFfnMat *m = q->m;
     int64_t o = q->c0 + 16 * v;
     __mmask16 k = gq_lanes(q, v);
@@ -93,7 +90,7 @@ typedef void (*GxStoreFn)(const void *info, const float *acc, float *dst);
 
 /* The segment's flush of n sum vectors for tb tokens: D = P - z A, acc =
  * fma(float(D), s * 2^-k, acc). */
-GX INLINE void gx_flush(const float *zsv, int64_t n, int tb, const float *sx, const int32_t *A,
+VNNI INLINE void gx_flush(const float *zsv, int64_t n, int tb, const float *sx, const int32_t *A,
                         int64_t lds, const int32_t *p, float *acc, int64_t ldp) {
     for (int64_t i = 0; i < n; i++) {
         __m512i zv = _mm512_loadu_si512(zsv + 32 * i);
@@ -113,7 +110,7 @@ GX INLINE void gx_flush(const float *zsv, int64_t n, int tb, const float *sx, co
  * group's first pass over its rows, so that the params' first touch at the
  * group's start does not miss (spread along the rows' stream: a burst
  * stalls it). */
-GX INLINE void gx_prefetch_params(const ColiFfnMat *m, int64_t g, int64_t o, int64_t n, int64_t ss) {
+VNNI INLINE void gx_prefetch_params(const ColiFfnMat *m, int64_t g, int64_t o, int64_t n, int64_t ss) {
     if (g >= m->groups) return;
     const char *s = (const char *)m->scales + ss * (g * m->n_out + o);
     for (int64_t b = 0; b < ss * n; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
@@ -121,7 +118,7 @@ GX INLINE void gx_prefetch_params(const ColiFfnMat *m, int64_t g, int64_t o, int
         _mm_prefetch((const char *)m->zeros + 4 * (g * (m->n_out / 8) + o / 8), _MM_HINT_T0);
 }
 
-GX static void gq_group_params(const void *info, int64_t g, float *zsv) {
+VNNI static void gq_group_params(const void *info, int64_t g, float *zsv) {
     const GxInfo *q = info;
     for (int64_t v = 0; v < q->nv; v++) {
         __m512i zv;
@@ -135,7 +132,7 @@ GX static void gq_group_params(const void *info, int64_t g, float *zsv) {
 /* Segment sg of the range's vectors for TB tokens: p (TB rows of ldp
  * integers) gets the products, acc the segment's flush. */
 #define GQ_SEGMENT(TB)                                                                      \
-    GX static void gq_segment_##TB(GX_SEGMENT_PARAMS) {                                     \
+    VNNI static void gq_segment_##TB(GX_SEGMENT_PARAMS) {                                     \
         const GxInfo *q = info;                                                             \
         const ColiFfnMat *m = q->m;                                                         \
         const int64_t v1 = q->nv;                                                           \
@@ -257,13 +254,13 @@ static int gq_takes(const ColiFfnMat *m) {
 
 static const uint8_t AWQ_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};  /* nibble n holds column order[n] */
 
-GX INLINE __mmask16 aq_lanes(const GxInfo *a, int64_t seg) {
+VNNI INLINE __mmask16 aq_lanes(const GxInfo *a, int64_t seg) {
     int64_t left = a->words - 16 * seg;
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
 /* Word of lane d of vector 4u + j (see above). */
-GX INLINE __m512i aq_word(int u) {
+VNNI INLINE __m512i aq_word(int u) {
     __m512i d = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(d, 2), 2),
                             _mm512_add_epi32(_mm512_set1_epi32(2 * u),
@@ -271,7 +268,7 @@ GX INLINE __m512i aq_word(int u) {
 }
 
 /* Group g's 128 + z and s of vector 4u + j of segment seg. */
-GX INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j, __m512i *zv, __m512 *sv) {
+VNNI INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j, __m512i *zv, __m512 *sv) {
     const ColiFfnMat *m = a->m;
     __mmask16 k = aq_lanes(a, seg);
     int64_t w0 = a->c0 / 8 + 16 * seg;
@@ -298,7 +295,7 @@ GX INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j, 
     }
 }
 
-GX static void aq_group_params(const void *info, int64_t g, float *zsv) {
+VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
     const GxInfo *a = info;
     for (int64_t seg = 0; seg < a->nv; seg++)
         for (int n = 0; n < 8; n++) {
@@ -314,7 +311,7 @@ GX static void aq_group_params(const void *info, int64_t g, float *zsv) {
  * tokens into p (TB rows of ldp integers: output segment seg's vector n at
  * 16 (8 seg + n)), then acc. */
 #define AQ_SEGMENT(TB)                                                                      \
-    GX static void aq_segment_##TB(GX_SEGMENT_PARAMS) {                                     \
+    VNNI static void aq_segment_##TB(GX_SEGMENT_PARAMS) {                                     \
         const GxInfo *a = info;                                                             \
         const ColiFfnMat *m = a->m;                                                         \
         const int64_t rs = m->n_out / 2;                                                    \
@@ -474,56 +471,7 @@ static size_t gx_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
            (size_t)tokens * (sizeof(int16_t) * (size_t)ldq + (sizeof(float) + sizeof(int32_t)) * (size_t)lds);
 }
 
-/* 16 (k: those to load) bfloat16 inputs at p, with their low parts `part`
- * on when ns is 2, as floats. */
-GX INLINE __m512 gx_widen(const uint16_t *p, int64_t part, int ns, __mmask16 k) {
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-    if (ns == 2)
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p + part)), 16)));
-    return v;
-}
-
-/* A token's n inputs quantised in segments of seg (see the top): xq the
- * same positions, zero on to ldq; per segment its scale sx and sum A. */
-GX static void gx_quantise(const uint16_t *x, int64_t part, int ns, int64_t n, int64_t seg,
-                           int64_t ldq, int16_t *xq, float *sx, int32_t *A) {
-    for (int64_t s0 = 0, i = 0; s0 < n; s0 += seg, i++) {
-        int64_t len = n - s0 < seg ? n - s0 : seg;
-        __m512 mx = _mm512_setzero_ps();
-        __mmask16 bad = 0;
-        for (int64_t j = 0; j < len; j += 16) {
-            __mmask16 k = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
-            __m512 a = _mm512_abs_ps(gx_widen(x + s0 + j, part, ns, k));
-            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  /* NaN or infinite */
-            mx = _mm512_max_ps(mx, a);
-        }
-        float top = _mm512_reduce_max_ps(mx);
-        if (bad || top == 0.0f) {
-            memset(xq + s0, 0, sizeof(int16_t) * (size_t)len);
-            sx[i] = bad ? NAN : 0.0f;
-            A[i] = 0;
-            continue;
-        }
-        int e;
-        (void)frexpf(top, &e);  /* top in [2^(e-1), 2^e) */
-        const __m512 kf = _mm512_set1_ps((float)(15 - e));
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t j = 0; j < len; j += 16) {
-            __mmask16 k = len - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j)) - 1);
-            __m512i a = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(gx_widen(x + s0 + j, part, ns, k), kf),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            a = _mm512_min_epi32(_mm512_max_epi32(a, _mm512_set1_epi32(-32767)), _mm512_set1_epi32(32767));
-            _mm512_mask_cvtepi32_storeu_epi16(xq + s0 + j, k, a);
-            sum = _mm512_add_epi32(sum, a);
-        }
-        sx[i] = ldexpf(1.0f, e - 15);
-        A[i] = _mm512_reduce_add_epi32(sum);
-    }
-    for (int64_t j = n; j < ldq; j++) xq[j] = 0;
-}
-
-GX static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
+VNNI static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     GxInfo q = gx_info(m, n0, n1);
     int64_t pu = gx_panel(&q, task->tokens), width = q.awq ? 128 : 16, ldp = width * pu;
     int64_t part = ns == 2 ? task->ldx / 2 : 0;
@@ -535,7 +483,7 @@ GX static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFf
     int32_t *A = (int32_t *)(sx + task->tokens * in.lds);
     int16_t *xq = (int16_t *)(A + task->tokens * in.lds);
     for (int t = 0; t < task->tokens; t++)
-        gx_quantise((const uint16_t *)task->x + t * task->ldx, part, ns, m->n_in, q.seg, in.ldq,
+        i16_quantise((const uint16_t *)task->x + t * task->ldx, part, ns, m->n_in, q.seg, in.ldq,
                     xq + t * in.ldq, sx + t * in.lds, A + t * in.lds);
     in.xq = xq, in.sx = sx, in.A = A;
     for (int64_t u0 = 0; u0 < q.nv; u0 += pu) {
@@ -549,13 +497,6 @@ GX static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFf
     }
 }
 
-static void gx_run_x(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    gx_rows(m, n0, n1, task, 1);
-}
-
-static void gx_run_split(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    gx_rows(m, n0, n1, task, 2);
-}
+I16_ENTRIES(gx)
 
 #undef GX_SEGMENT_PARAMS
-#undef GX

@@ -1,24 +1,11 @@
 /*
  * ffn_x86_int4.h (private, included once by ffn_x86.c after
- * ffn_x86_bf16.h): the AVX-512 kernel for compressed-tensors int4 in a
- * bfloat16 call, on CPUs with AVX512_BF16 and AVX512_VNNI. It multiplies
- * 16-bit integers with vpdpwssd (two products per 32-bit lane and
- * instruction, exact), not bfloat16 pairs with vdpbf16ps: on the Intel
- * Xeon it was measured on, vdpbf16ps issues one per two cycles and
- * vpdpwssd two per cycle (0.57 against 0.15 ns per instruction), so the
- * same 32 products cost a quarter as much, and down needs no split of its
- * activations into two bfloat16 parts.
+ * ffn_x86_i16.h): the AVX-512 kernel for compressed-tensors int4 (groups of
+ * a multiple of 32) in a bfloat16 call, with 16-bit integer products (see
+ * ffn_x86_i16.h).
  *
- * Inputs come as the driver writes them for a bfloat16 kernel in Q128
- * order (inside each 128 inputs, input 4i + s at 32s + i): the call's
- * bfloat16 tokens (gate and up), or down's float activations as a high
- * and a low bfloat16 part (16 significant bits). Per call and token, each
- * chunk of 128 inputs is quantised to 16-bit integers a = rint(v 2^k),
- * k the chunk's power of two that puts its largest magnitude m in
- * [2^14, 2^15): every input within 2^-15 m of its value (the bfloat16
- * tokens themselves carry 8 significant bits). The chunk's scale is 2^-k;
- * a chunk of zeros has scale 0, one holding a NaN or an infinity scale
- * NaN (its rows' outputs are NaN).
+ * Inputs in Q128 order (inside each 128 inputs, input 4i + s at 32s + i),
+ * quantised per token and chunk of 128 inputs.
  *
  * Weights: 64 bytes read as 32 16-bit words hold a chunk's 128 nibbles;
  * vector n_s = every word's nibble s (a shift and a mask, no table), which
@@ -36,17 +23,10 @@
  * its scale, added in order); cv = fma(W, X, cv) over the units 16 at a
  * time; the result is the lane tree of c - cv.
  *
- * The integer sums do not depend on the order of the products, and every
- * loop below performs the float operations above, so a token's bits do
- * not depend on its batch: one token streams four rows side by side, more
- * stream row after row in blocks of up to four tokens (the rows' bytes
- * from L1 after the first block).
+ * One token streams four rows side by side; more stream row after row in
+ * blocks of up to four tokens (the rows' bytes from L1 after the first
+ * block).
  */
-
-#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
-
-/* QI_TB: the largest block of tokens sharing a decoded row. */
-enum { QI_TB = 4 };
 
 typedef struct {
     const ColiFfnMat *m;
@@ -85,7 +65,7 @@ static QsInfo qs_info(const ColiFfnMat *m) {
 VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f) {
     const ColiFfnMat *m = q->m;
     const int64_t sl = q->pl - q->ul;  /* S's floats */
-    for (int r = 0; r < BF_ROWS; r++) {
+    for (int r = 0; r < I16_ROWS; r++) {
         int64_t o = o0 + (r < nr ? r : 0);
         float *S = ps + r * q->pl, *W = S + sl;
         const uint8_t *zw = m->zeros ? m->zeros + 4 * ((o / 8) * m->groups) : NULL;
@@ -104,7 +84,7 @@ VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, C
     }
 }
 
-/* Params of rows o0 .. o0 + BF_ROWS - 1 (those past nr repeat the first),
+/* Params of rows o0 .. o0 + I16_ROWS - 1 (those past nr repeat the first),
  * pl floats each: the scales S (per chunk or per quarter), then the
  * correction weights W = s z per unit, zero past the units. */
 VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
@@ -116,7 +96,7 @@ VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
         default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16); return;
         }
     }
-    for (int r = 0; r < BF_ROWS; r++) {
+    for (int r = 0; r < I16_ROWS; r++) {
         int64_t o = o0 + (r < nr ? r : 0);
         float *S = ps + r * q->pl, *W = S + q->pl - q->ul;
         memset(W, 0, sizeof(float) * (size_t)q->ul);
@@ -220,7 +200,7 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
         const uint8_t *src_ = rows[r] + 64 * (CI);                                           \
         __m512i w_ = WHOLE ? _mm512_loadu_si512(src_) : _mm512_maskz_loadu_epi8(q->tail, src_); \
         /* the group of rows' bytes in order, not four streams (measured faster) */          \
-        ffn_prefetch2((const char *)rows[0] + 64 * (BF_ROWS * (CI) + (r)), ahead);            \
+        ffn_prefetch2((const char *)rows[0] + 64 * (I16_ROWS * (CI) + (r)), ahead);            \
         n[0] = _mm512_and_si512(w_, lo);                                                     \
         n[1] = _mm512_and_si512(_mm512_srli_epi16(w_, 4), lo);                               \
         n[2] = _mm512_and_si512(_mm512_srli_epi16(w_, 8), lo);                               \
@@ -252,9 +232,9 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
 /* One token: the four rows side by side. */
 #define QI_CHUNK1(CI, WHOLE)                                                                 \
     do {                                                                                     \
-        __m512i n[BF_ROWS][4];                                                               \
-        UNROLL for (int r = 0; r < BF_ROWS; r++) QI_DECODE(n[r], r, CI, WHOLE);              \
-        UNROLL for (int r = 0; r < BF_ROWS; r++) {                                           \
+        __m512i n[I16_ROWS][4];                                                               \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) QI_DECODE(n[r], r, CI, WHOLE);              \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) {                                           \
             __m512i p_ = QI_SUM(n[r], 0, CI);                                                \
             QI_ADD(c[r][0], p_, QI_SCALE(r, CI), 0, CI);                                     \
         }                                                                                    \
@@ -262,7 +242,7 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
 
 /* More tokens: row after row, the block's tokens side by side. */
 #define QI_CHUNKT(CI, WHOLE)                                                                 \
-    UNROLL for (int r = 0; r < BF_ROWS; r++) {                                               \
+    UNROLL for (int r = 0; r < I16_ROWS; r++) {                                               \
         __m512i n[4];                                                                        \
         QI_DECODE(n, r, CI, WHOLE);                                                          \
         __m512 sv = QI_SCALE(r, CI);                                                         \
@@ -292,13 +272,13 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
         enum { TB_ = TB, QUARTERS_ = QUARTERS };                                             \
         const __m512i lo = _mm512_set1_epi16(0xf);                                           \
         const __m512i expand = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); \
-        const int64_t ahead = rows_ahead(BF_ROWS * q->row_bytes);  \
-        const uint8_t *rows[BF_ROWS];                                                        \
+        const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);  \
+        const uint8_t *rows[I16_ROWS];                                                        \
         (void)expand;                                                                        \
-        UNROLL for (int r = 0; r < BF_ROWS; r++)                                             \
+        UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
             rows[r] = q->m->data + (o0 + (r < nr ? r : 0)) * q->row_bytes;                   \
-        __m512 c[BF_ROWS][TB];                                                               \
-        UNROLL for (int r = 0; r < BF_ROWS; r++)                                             \
+        __m512 c[I16_ROWS][TB];                                                               \
+        UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
             UNROLL for (int t = 0; t < TB; t++) c[r][t] = _mm512_setzero_ps();               \
         if (TB == 1) {                                                                       \
             for (int64_t ci = 0; ci < q->whole; ci++) QI_CHUNK1(ci, 1);                      \
@@ -307,7 +287,7 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
             for (int64_t ci = 0; ci < q->whole; ci++) QI_CHUNKT(ci, 1)                       \
             if (q->whole < q->chunks) QI_CHUNKT(q->whole, 0)                                 \
         }                                                                                    \
-        UNROLL for (int r = 0; r < BF_ROWS; r++) if (r < nr) QI_RESULT(r, c[r]);            \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) if (r < nr) QI_RESULT(r, c[r]);            \
     }
 #define QI_STREAMS(Q) QI_STREAM(1, Q) QI_STREAM(2, Q) QI_STREAM(4, Q)
 QI_STREAMS(0)
@@ -335,22 +315,22 @@ static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
     (void)n0, (void)n1;
     QsInfo q = qs_info(m);
     return sizeof(int16_t) * (size_t)(tokens * 128 * q.chunks) +
-           sizeof(float) * (size_t)(tokens * (q.kl + q.ul) + BF_ROWS * q.pl);
+           sizeof(float) * (size_t)(tokens * (q.kl + q.ul) + I16_ROWS * q.pl);
 }
 
-/* The scales (and zero points) of rows o .. o + BF_ROWS - 1 into L1: a
+/* The scales (and zero points) of rows o .. o + I16_ROWS - 1 into L1: a
  * stream of their own the rows' prefetch does not cover (with groups of
  * 32 and bfloat16 scales, an eighth of a row's bytes; left to demand
  * misses, measured a quarter of a cold expert's time). */
 static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
     const ColiFfnMat *m = q->m;
     if (o >= n1) return;
-    int64_t end = o + BF_ROWS < n1 ? o + BF_ROWS : n1;
+    int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
     int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;
     int64_t b0 = o * m->groups * ss, b1 = end * m->groups * ss;
     for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64)
         _mm_prefetch((const char *)m->scales + b, _MM_HINT_T0);
-    if (m->zeros && o % 8 < BF_ROWS)  /* eight rows' zero points share a row of words */
+    if (m->zeros && o % 8 < I16_ROWS)  /* eight rows' zero points share a row of words */
         for (int64_t b = 0; b < 4 * m->groups; b += 64)
             _mm_prefetch((const char *)m->zeros + 4 * (o / 8) * m->groups + b, _MM_HINT_T0);
 }
@@ -358,34 +338,27 @@ static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
 static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     QsInfo q = qs_info(m);
     /* the params' stream as far ahead as the rows' (whole blocks of rows) */
-    const int64_t pa = BF_ROWS * (rows_ahead(BF_ROWS * q.row_bytes) / (BF_ROWS * q.row_bytes));
+    const int64_t pa = I16_ROWS * (rows_ahead(I16_ROWS * q.row_bytes) / (I16_ROWS * q.row_bytes));
     const int64_t ldq = 128 * q.chunks;
     int16_t *xq = (int16_t *)task->scratch;
     float *sx = (float *)(xq + task->tokens * ldq), *X = sx + task->tokens * q.kl;
     float *ps = X + task->tokens * q.ul;
     int64_t part = ns == 2 ? task->ldx / 2 : 0;
     qi_prepare(&q, (const uint16_t *)task->x, task->ldx, part, ns, task->tokens, xq, sx, X);
-    for (int64_t o0 = n0; o0 < n1; o0 += BF_ROWS) {
-        int nr = n1 - o0 < BF_ROWS ? (int)(n1 - o0) : BF_ROWS;
+    for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
+        int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
         qs_params(&q, o0, nr, ps);
-        for (int t0 = 0; t0 < task->tokens;) {
-            int left = task->tokens - t0, tb = left >= QI_TB ? QI_TB : left >= 2 ? 2 : 1;
-            QI_STREAM_FNS[q.quarters][tb == QI_TB ? 2 : tb - 1](
-                &q, o0, nr, xq + t0 * ldq, ldq, sx + t0 * q.kl, ps, X + t0 * q.ul,
-                task->dst + t0 * task->ld_dst, task->ld_dst);
+        for (int t0 = 0, fn; t0 < task->tokens;) {
+            int tb = i16_block(task->tokens - t0, &fn);
+            QI_STREAM_FNS[q.quarters][fn](&q, o0, nr, xq + t0 * ldq, ldq, sx + t0 * q.kl, ps,
+                                          X + t0 * q.ul, task->dst + t0 * task->ld_dst, task->ld_dst);
             t0 += tb;
         }
     }
 }
 
-static void qs_run_x(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    qs_rows(m, n0, n1, task, 1);
-}
-
-static void qs_run_split(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task) {
-    qs_rows(m, n0, n1, task, 2);
-}
+I16_ENTRIES(qs)
 
 /* Whether an int4 matrix has this kernel: groups of a multiple of 32, on
  * a CPU with AVX512_VNNI (every one with AVX512_BF16 has it). */
