@@ -117,17 +117,6 @@ VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
     }
 }
 
-/* 16 bfloat16 words at p (and, with two parts, the low parts `part` on)
- * as floats: the high part plus the low one. */
-VNNI INLINE __m512 qi_widen(const uint16_t *p, int64_t part, int ns) {
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    if (ns == 2)
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + part))), 16)));
-    return v;
-}
-
 /* One chunk of a token (its 128 inputs in Q128 order at p) quantised into
  * dq (4 vectors of 32); returns the chunk's scale and leaves each lane's
  * sum of its 8 quantised inputs in *lanes. */
@@ -135,7 +124,7 @@ VNNI INLINE float qi_chunk(const uint16_t *p, int64_t part, int ns, int16_t *dq,
     __m512 v[8], mx = _mm512_setzero_ps();
     __mmask16 bad = 0;
     for (int j = 0; j < 8; j++) {
-        v[j] = qi_widen(p + 16 * j, part, ns);
+        v[j] = i16_widen(p + 16 * j, part, ns, 0xffff);
         __m512 a = _mm512_abs_ps(v[j]);
         bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  /* NaN or infinite */
         mx = _mm512_max_ps(mx, a);
@@ -149,7 +138,8 @@ VNNI INLINE float qi_chunk(const uint16_t *p, int64_t part, int ns, int16_t *dq,
     }
     int e;
     (void)frexpf(m, &e);                  /* m in [2^(e-1), 2^e) */
-    const __m512 k = _mm512_set1_ps((float)(15 - e)), ones16 = _mm512_castsi512_ps(_mm512_set1_epi16(1));
+    const __m512 k = _mm512_set1_ps((float)(15 - e));
+    const __m512i ones = _mm512_set1_epi16(1);
     for (int s = 0; s < 4; s++) {
         __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(
             _mm512_scalef_ps(v[2 * s], k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -157,7 +147,7 @@ VNNI INLINE float qi_chunk(const uint16_t *p, int64_t part, int ns, int16_t *dq,
             _mm512_scalef_ps(v[2 * s + 1], k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         _mm512_storeu_si512(dq + 32 * s, a);
-        sum = _mm512_dpwssd_epi32(sum, a, _mm512_castps_si512(ones16));
+        sum = _mm512_dpwssd_epi32(sum, a, ones);
     }
     scale = ldexpf(1.0f, e - 15);
     *lanes = sum;
