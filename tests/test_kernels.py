@@ -105,15 +105,21 @@ def test_every_format_and_activation_matches_the_reference(checkpoints: dict[str
             assert relative_error(gotb, reference(weights, xb, activation)) <= BF16_BOUND, tokens
 
 
+@pytest.mark.parametrize("fmt", ["int4", "gptq", "gptq_in_order", "awq", "mxfp4"])
 @pytest.mark.parametrize("isa", kernels.available_isas())
-def test_int4_inputs_of_any_magnitude_zeros_and_non_finite_ones(checkpoints: dict[str, Path],
-                                                                 isa: str) -> None:
-    """The avx512 path quantises a bfloat16 call's int4 inputs per chunk of
-    128 (to 2^-15 of the chunk's largest): inputs spread over 2^42 still
-    meet the bound, a token of zeros gets its exact result, and a token with
-    a NaN or an infinity gets no finite output while its batch is unharmed."""
+def test_4bit_inputs_of_any_magnitude_zeros_and_non_finite_ones(checkpoints: dict[str, Path],
+                                                                isa: str, fmt: str, tmp_path: Path) -> None:
+    """The avx512 path quantises a bfloat16 call's inputs of these formats
+    per block of at most 128 (to 2^-15 of the block's largest): inputs
+    spread over 2^42 still meet the bound, a token of zeros gets its exact
+    result, and a token with a NaN or an infinity gets no finite output
+    while its batch is unharmed. (The fixture's GPTQ has act order, which
+    bfloat16 calls compute in float32; gptq_in_order takes the integer
+    kernel.)"""
     rng = np.random.default_rng(23)
-    for ex in _leased(checkpoints["int4"]):
+    path = checkpoints.get(fmt) or write_format_checkpoint(tmp_path, "gptq", hidden=160, intermediate=96,
+                                                           group=32, seed=9, g_idx=None)
+    for ex in _leased(path):
         weights = colibri.dequantize(ex)
         hidden = weights["down"].shape[0]
         x = (rng.standard_normal((5, hidden)) * 2.0 ** rng.uniform(-30, 12, (5, hidden))).astype(np.float32)
