@@ -148,7 +148,9 @@ const ColiFfnKernel *coli_ffn_kernel_avx2(const ColiFfnMat *m);
 const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input);
 extern const ColiFfnActFn coli_ffn_act_avx2, coli_ffn_act_avx512;
 extern const ColiFfnConv coli_ffn_conv_avx512;
-int coli_ffn_cpu_has_avx512_bf16(void);
+/* Whether the CPU runs the avx512 path's kernels of bfloat16 calls
+ * (ffn_x86_i16.h: AVX512_BF16 and AVX512_VNNI). */
+int coli_ffn_cpu_runs_i16(void);
 #endif
 #if defined(__aarch64__)
 const ColiFfnKernel *coli_ffn_kernel_neon(const ColiFfnMat *m);

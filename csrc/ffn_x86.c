@@ -557,11 +557,11 @@ static const ColiFfnKernel K512_MXFP4_SPLIT = {"mxfp4-i16/avx512", COLI_FFN_X_BF
 
 const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input) {
     if (!coli_ffn_format_computed(m->format, m->in_out)) return NULL;
-    int bf16 = input != COLI_FFN_INPUT_F32 && coli_ffn_cpu_has_avx512_bf16();
+    int bf16 = input != COLI_FFN_INPUT_F32 && coli_ffn_cpu_runs_i16();
     int split = input == COLI_FFN_INPUT_ACT;
     switch (m->format) {
     case COLI_TENSOR_FP4_NATIVE_BLOCK:
-        if (bf16 && mi_takes()) return split ? &K512_MXFP4_SPLIT : &K512_MXFP4_BF16;
+        if (bf16) return split ? &K512_MXFP4_SPLIT : &K512_MXFP4_BF16;
         return &K512_MXFP4;
     case COLI_TENSOR_INT4_BLOCK:
         if (bf16 && qs_takes(m)) return split ? &K512_INT4_SPLIT : &K512_INT4_BF16;
@@ -587,9 +587,9 @@ const ColiFfnKernel *coli_ffn_kernel_avx2(const ColiFfnMat *m) {
     }
 }
 
-int coli_ffn_cpu_has_avx512_bf16(void) {
+int coli_ffn_cpu_runs_i16(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
 }
 
 #endif /* x86 */

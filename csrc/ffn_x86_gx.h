@@ -234,9 +234,7 @@ static void gq_store(const void *info, const float *acc, float *dst) {
 
 /* GPTQ without act order, groups of whole word rows. */
 static int gq_takes(const ColiFfnMat *m) {
-    __builtin_cpu_init();
-    return m->format == COLI_TENSOR_INT4_GPTQ && !m->g_idx && m->group % 8 == 0 &&
-           __builtin_cpu_supports("avx512vnni");
+    return m->format == COLI_TENSOR_INT4_GPTQ && !m->g_idx && m->group % 8 == 0;
 }
 
 /* ================================================================ AWQ
@@ -444,8 +442,7 @@ static void aq_store(const void *info, const float *acc, float *dst) {
 
 /* AWQ in groups of an even number of rows. */
 static int aq_takes(const ColiFfnMat *m) {
-    __builtin_cpu_init();
-    return m->format == COLI_TENSOR_INT4_AWQ && m->group % 2 == 0 && __builtin_cpu_supports("avx512vnni");
+    return m->format == COLI_TENSOR_INT4_AWQ && m->group % 2 == 0;
 }
 
 /* ---- GPTQ and AWQ: panels of a range, blocks of tokens. */

@@ -117,67 +117,32 @@ VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
     }
 }
 
-/* One chunk of a token (its 128 inputs in Q128 order at p) quantised into
- * dq (4 vectors of 32); returns the chunk's scale and leaves each lane's
- * sum of its 8 quantised inputs in *lanes. */
-VNNI INLINE float qi_chunk(const uint16_t *p, int64_t part, int ns, int16_t *dq, __m512i *lanes) {
-    __m512 v[8], mx = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    for (int j = 0; j < 8; j++) {
-        v[j] = i16_widen(p + 16 * j, part, ns, 0xffff);
-        __m512 a = _mm512_abs_ps(v[j]);
-        bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  /* NaN or infinite */
-        mx = _mm512_max_ps(mx, a);
-    }
-    float m = _mm512_reduce_max_ps(mx), scale = 0.0f;
-    __m512i sum = _mm512_setzero_si512();
-    if (bad || m == 0.0f) {
-        memset(dq, 0, 128 * sizeof(int16_t));
-        *lanes = sum;
-        return bad ? NAN : 0.0f;
-    }
-    int e;
-    (void)frexpf(m, &e);                  /* m in [2^(e-1), 2^e) */
-    const __m512 k = _mm512_set1_ps((float)(15 - e));
-    const __m512i ones = _mm512_set1_epi16(1);
-    for (int s = 0; s < 4; s++) {
-        __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(
-            _mm512_scalef_ps(v[2 * s], k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        __m256i hi = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(
-            _mm512_scalef_ps(v[2 * s + 1], k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        _mm512_storeu_si512(dq + 32 * s, a);
-        sum = _mm512_dpwssd_epi32(sum, a, ones);
-    }
-    scale = ldexpf(1.0f, e - 15);
-    *lanes = sum;
-    return scale;
-}
-
-/* Every token's inputs quantised: per token, chunks * 128 int16 at xq,
- * the chunks' scales at sx (kl each) and the unit sums X (ul each, zero
- * past the units). */
+/* Every token's inputs quantised per chunk (i16_quantise): per token,
+ * chunks * 128 int16 at xq, the chunks' scales at sx and exact sums at A
+ * (kl each), and the unit sums X (ul each, zero past the units): a
+ * quarter's from its lanes (lane l of a chunk's vectors holds inputs
+ * 8l .. 8l + 7), a group's its chunks' in order. */
 VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int64_t part, int ns,
-                            int tokens, int16_t *xq, float *sx, float *X) {
-    int64_t cpg = q->quarters ? 1 : q->m->group / 128;
+                            int tokens, int16_t *xq, float *sx, int32_t *A, float *X) {
+    const int64_t ldq = 128 * q->chunks, cpg = q->quarters ? 1 : q->m->group / 128;
+    const __m512i ones = _mm512_set1_epi16(1);
     for (int t = 0; t < tokens; t++) {
         float *xt = X + t * q->ul, *st = sx + t * q->kl, acc = 0.0f;
-        int16_t *dq = xq + t * 128 * q->chunks;
+        int16_t *dq = xq + t * ldq;
+        i16_quantise(x + t * ldx, part, ns, ldq, 128, ldq, dq, st, A + t * q->kl);
         memset(xt, 0, sizeof(float) * (size_t)q->ul);
         for (int64_t c = 0; c < q->chunks; c++) {
-            __m512i lanes;
-            float scale = qi_chunk(x + t * ldx + 128 * c, part, ns, dq + 128 * c, &lanes);
-            st[c] = scale;
-            int32_t l[16];
-            _mm512_storeu_si512(l, lanes);
             if (q->quarters) {
+                __m512i lanes = _mm512_setzero_si512();
+                for (int v = 0; v < 4; v++)
+                    lanes = _mm512_dpwssd_epi32(lanes, _mm512_loadu_si512(dq + 128 * c + 32 * v), ones);
+                int32_t l[16];
+                _mm512_storeu_si512(l, lanes);
                 for (int j = 0; j < 4 && 4 * c + j < q->units; j++)
-                    xt[4 * c + j] = scale * (float)(l[4 * j] + l[4 * j + 1] + l[4 * j + 2] + l[4 * j + 3]);
+                    xt[4 * c + j] = st[c] * (float)(l[4 * j] + l[4 * j + 1] + l[4 * j + 2] + l[4 * j + 3]);
                 continue;
             }
-            int32_t total = 0;
-            for (int j = 0; j < 16; j++) total += l[j];
-            float part_sum = scale * (float)total;
+            float part_sum = st[c] * (float)A[t * q->kl + c];
             acc = c % cpg ? acc + part_sum : part_sum;
             if (c % cpg == cpg - 1 || c == q->chunks - 1) xt[c / cpg] = acc;
         }
@@ -300,11 +265,12 @@ static const QiStreamFn QI_STREAM_FNS[2][3] = {
     {qi_stream_1_0, qi_stream_2_0, qi_stream_4_0}, {qi_stream_1_1, qi_stream_2_1, qi_stream_4_1}};
 
 /* Scratch: the tokens' quantised inputs (first: 64-byte aligned), their
- * chunk scales and unit sums, the params of a group of rows. */
+ * chunk scales and unit sums, the params of a group of rows, the tokens'
+ * chunk sums. */
 static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
     (void)n0, (void)n1;
     QsInfo q = qs_info(m);
-    return sizeof(int16_t) * (size_t)(tokens * 128 * q.chunks) +
+    return sizeof(int16_t) * (size_t)(tokens * 128 * q.chunks) + sizeof(int32_t) * (size_t)(tokens * q.kl) +
            sizeof(float) * (size_t)(tokens * (q.kl + q.ul) + I16_ROWS * q.pl);
 }
 
@@ -333,8 +299,9 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
     int16_t *xq = (int16_t *)task->scratch;
     float *sx = (float *)(xq + task->tokens * ldq), *X = sx + task->tokens * q.kl;
     float *ps = X + task->tokens * q.ul;
+    int32_t *A = (int32_t *)(ps + I16_ROWS * q.pl);
     int64_t part = ns == 2 ? task->ldx / 2 : 0;
-    qi_prepare(&q, (const uint16_t *)task->x, task->ldx, part, ns, task->tokens, xq, sx, X);
+    qi_prepare(&q, (const uint16_t *)task->x, task->ldx, part, ns, task->tokens, xq, sx, A, X);
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
@@ -350,9 +317,5 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
 
 I16_ENTRIES(qs)
 
-/* Whether an int4 matrix has this kernel: groups of a multiple of 32, on
- * a CPU with AVX512_VNNI (every one with AVX512_BF16 has it). */
-static int qs_takes(const ColiFfnMat *m) {
-    __builtin_cpu_init();
-    return m->group % 32 == 0 && __builtin_cpu_supports("avx512vnni");
-}
+/* Whether an int4 matrix has this kernel: groups of a multiple of 32. */
+static int qs_takes(const ColiFfnMat *m) { return m->group % 32 == 0; }

@@ -173,11 +173,5 @@ static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
 
 I16_ENTRIES(mi)
 
-/* Whether this kernel runs here (every CPU with AVX512_BF16 has VNNI). */
-static int mi_takes(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni");
-}
-
 #undef I16_ENTRIES
 #undef VNNI
