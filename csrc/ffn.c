@@ -136,6 +136,10 @@ static ColiFfnActFn act_for(int isa) {
     return coli_ffn_act_scalar;
 }
 
+#if !(defined(__x86_64__) || defined(__i386__))
+int coli_ffn_int4_amx_usable(void) { return 0; }
+#endif
+
 const char *coli_ffn_kernel_name(int isa, int format, int in_out) {
     if (isa < 0 || isa >= COLI_FFN_N_ISA) return NULL;
     ColiFfnMat m;  /* a typical matrix of the format: groups of 128 inputs */

@@ -9,13 +9,17 @@
  * 16-bit integer products (ffn_x86_i16.h): int4 (ffn_x86_int4.h), GPTQ and
  * AWQ (ffn_x86_gx.h), MXFP4 (ffn_x86_mxfp4.h).
  */
+#define _GNU_SOURCE  /* syscall: AMX's tile state (ffn_x86_amx.h) */
 #if defined(__x86_64__) || defined(__i386__)
 
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "ffn_internal.h"
 
@@ -148,6 +152,7 @@ AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_
 
 #include "ffn_x86_i16.h"
 #include "ffn_x86_int4.h"
+#include "ffn_x86_amx.h"
 #include "ffn_x86_gx.h"
 #include "ffn_x86_mxfp4.h"
 

@@ -26,6 +26,15 @@
 
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
+/* The int4 kernel's AMX part (ffn_x86_amx.h), with compilers that know
+ * AMX (GCC 11, Clang 12). */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define COLI_AMX 1
+#define AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,amx-tile,amx-int8")))
+#else
+#define COLI_AMX 0
+#endif
+
 /* Rows a streaming kernel walks side by side. */
 enum { I16_ROWS = 4 };
 

@@ -2,30 +2,29 @@
  * ffn_x86_int4.h (private, included once by ffn_x86.c after
  * ffn_x86_i16.h): the AVX-512 kernel for compressed-tensors int4 (groups of
  * a multiple of 32) in a bfloat16 call, with 16-bit integer products (see
- * ffn_x86_i16.h).
+ * ffn_x86_i16.h); for more than one token with AMX tiles where the CPU and
+ * the OS offer them (ffn_x86_amx.h).
  *
  * Inputs in Q128 order (inside each 128 inputs, input 4i + s at 32s + i),
  * quantised per token and chunk of 128 inputs.
  *
  * Weights: 64 bytes read as 32 16-bit words hold a chunk's 128 nibbles;
  * vector n_s = every word's nibble s (a shift and a mask, no table), which
- * pairs with the inputs' vector s. Lane l of a chunk's integer sum covers
- * inputs 8l .. 8l + 7 (a quarter of 32 inputs is lanes 4j .. 4j + 3).
+ * pairs with the inputs' vector s. Lane l of a chunk's integer products
+ * covers inputs 8l .. 8l + 7 (a quarter of 32 inputs is lanes 4j .. 4j + 3).
  *
- * Sum, per (token, output): per chunk, P = the exact integer sum of
- * n_0 a_0 + ... + n_3 a_3 per lane (at most 8 * 15 * 2^15 < 2^24: exact as
- * float), then c = fma(float(P), S * 2^-k, c), S the chunk's weight scales
- * (one, or one per quarter: lanes 4j .. 4j + 3) times the chunk's input
- * scale, rounded. Per correction unit u (a group that is a multiple of
- * 128 inputs, else a quarter) W_u = s_u z_u (z = 8 without zero points)
- * and X_u = the token's sum of its quantised inputs of the unit (a
- * quarter: exact; a group: chunk after chunk, each chunk's exact sum times
- * its scale, added in order); cv = fma(W, X, cv) over the units 16 at a
- * time; the result is the lane tree of c - cv.
+ * Sum, per (token, output): per scale unit (a chunk, or for groups that are
+ * not a multiple of 128 a quarter of one), P = the exact integer sum of its
+ * products q a (q the stored nibble, a the quantised input), A = the exact
+ * sum of its a, D = P - z A (z the unit's group's zero point, 8 without
+ * zero points; |D| < 2^26, exact), and a = fma(float(D), S * 2^-k, a)
+ * chunk after chunk, S the unit's weight scale and 2^-k the chunk's input
+ * scale. With quarters each of a chunk's four quarter positions j has its
+ * own a_j, and the result is (a_0 + a_1) + (a_2 + a_3); else it is a.
  *
- * One token streams four rows side by side; more stream row after row in
- * blocks of up to four tokens (the rows' bytes from L1 after the first
- * block).
+ * D is the same integer however it is summed, so every loop below (one
+ * token streaming four rows, tiles of up to four tokens, AMX tiles of
+ * sixteen) gives a token the same bits, whatever its batch.
  */
 
 typedef struct {
@@ -34,11 +33,10 @@ typedef struct {
     int64_t whole;              /* chunks holding 128 inputs (the last may hold fewer) */
     __mmask64 tail;             /* the bytes of a last partial chunk */
     int quarters;               /* scales per quarter (groups not a multiple of 128) */
-    int64_t units;              /* correction units of a row: groups, or quarters */
-    int64_t ul;                 /* units rounded up to 16 */
-    int64_t sn;                 /* scales of a row: one per chunk, or per quarter */
-    int64_t pl;                 /* params of a row: sn scales (rounded up), then ul weights */
+    int64_t aw;                 /* units of a chunk: 1, or 4 with quarters */
+    int64_t st;                 /* S (and z) of a group of rows: per chunk, I16_ROWS * aw */
     int64_t kl;                 /* input scales of a token: chunks rounded up to 16 */
+    int64_t al;                 /* input sums A of a token: aw per chunk, rounded up to 16 */
 } QsInfo;
 
 static QsInfo qs_info(const ColiFfnMat *m) {
@@ -51,42 +49,86 @@ static QsInfo qs_info(const ColiFfnMat *m) {
     int64_t tail = (m->n_in % 128) / 2;
     q.tail = tail ? (((__mmask64)1 << tail) - 1) : 0;
     q.quarters = m->group % 128 != 0;
-    q.units = q.quarters ? (m->n_in + 31) / 32 : m->groups;
-    q.ul = coli_ffn_round_up(q.units, 16);
-    q.sn = q.quarters ? 4 * q.chunks : q.chunks;
-    q.pl = coli_ffn_round_up(q.sn, 16) + q.ul;
+    q.aw = q.quarters ? 4 : 1;
+    q.st = I16_ROWS * q.aw * coli_ffn_round_up(q.chunks, 16);
     q.kl = coli_ffn_round_up(q.chunks, 16);
+    q.al = q.aw * q.kl;
     return q;
 }
 
-/* Groups of 128 or 32 inputs (one S and one W per group): the rows' params
- * 16 groups at a time, whole vectors (zero past the groups) covering the
+/* 16 chunks' values of four rows (v[r]: row r's) in S's order: chunk c's
+ * at 4c + r. */
+VNNI INLINE void qs_interleave_rows(const __m512 v[I16_ROWS], float *out) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512i first = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
+    const __m512i second = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    __m512d ab[2] = {_mm512_castps_pd(_mm512_permutex2var_ps(v[0], lo, v[1])),
+                     _mm512_castps_pd(_mm512_permutex2var_ps(v[0], hi, v[1]))};
+    __m512d cd[2] = {_mm512_castps_pd(_mm512_permutex2var_ps(v[2], lo, v[3])),
+                     _mm512_castps_pd(_mm512_permutex2var_ps(v[2], hi, v[3]))};
+    for (int h = 0; h < 2; h++) {
+        _mm512_storeu_pd((double *)(out + 32 * h), _mm512_permutex2var_pd(ab[h], first, cd[h]));
+        _mm512_storeu_pd((double *)(out + 32 * h + 16), _mm512_permutex2var_pd(ab[h], second, cd[h]));
+    }
+}
+
+/* 16 quarters' (four chunks') values of four rows in S's order: quarter j
+ * of chunk c at 16c + 4j + r. */
+VNNI INLINE void qs_interleave_quarters(const __m512 v[I16_ROWS], float *out) {
+    __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+    __m512 u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+    __m512 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+    __m512 u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+    __m512 e0 = _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(1, 0, 1, 0));
+    __m512 e1 = _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(1, 0, 1, 0));
+    __m512 e2 = _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 2, 3, 2));
+    __m512 e3 = _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_storeu_ps(out, _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(out + 16, _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(out + 32, _mm512_shuffle_f32x4(e2, e3, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(e2, e3, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* 16 units' values of four rows into S's (or z's) order at out. */
+VNNI INLINE void qs_interleave(const QsInfo *q, const __m512 v[I16_ROWS], float *out) {
+    if (q->quarters) qs_interleave_quarters(v, out);
+    else qs_interleave_rows(v, out);
+}
+
+/* Groups of 128 or 32 inputs (one unit a group): the rows' params 16
+ * groups at a time, whole vectors (zero past the groups) covering the
  * padding. F: the scale format, a constant where called. */
 VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f) {
     const ColiFfnMat *m = q->m;
-    const int64_t sl = q->pl - q->ul;  /* S's floats */
-    for (int r = 0; r < I16_ROWS; r++) {
-        int64_t o = o0 + (r < nr ? r : 0);
-        float *S = ps + r * q->pl, *W = S + sl;
-        const uint8_t *zw = m->zeros ? m->zeros + 4 * ((o / 8) * m->groups) : NULL;
-        unsigned shift = (unsigned)(4 * (o % 8));
-        for (int64_t g = 0; g < q->ul; g += 16) {
-            int64_t n = m->groups - g;
-            __mmask16 k = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
-            __m512 sc = qs_scales(f, m->scales, o * m->groups + g, k), z = _mm512_set1_ps(8.0f);
-            if (zw) {
-                __m512i w = _mm512_srli_epi32(_mm512_maskz_loadu_epi32(k, zw + 4 * g), shift);
-                z = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xf)));
+    int32_t *z = (int32_t *)(ps + q->st);
+    for (int64_t g = 0; g < q->st / I16_ROWS; g += 16) {
+        int64_t n = m->groups - g;
+        __mmask16 k = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+        __m512 sc[I16_ROWS], zv[I16_ROWS];
+        for (int r = 0; r < I16_ROWS; r++) {
+            int64_t o = o0 + (r < nr ? r : 0);
+            __m512i zi = _mm512_set1_epi32(8);
+            sc[r] = qs_scales(f, m->scales, o * m->groups + g, k);
+            if (m->zeros) {
+                const uint8_t *zw = m->zeros + 4 * ((o / 8) * m->groups);
+                __m512i w = _mm512_srli_epi32(_mm512_maskz_loadu_epi32(k, zw + 4 * g), (unsigned)(4 * (o % 8)));
+                zi = _mm512_and_si512(w, _mm512_set1_epi32(0xf));
             }
-            _mm512_storeu_ps(W + g, _mm512_mul_ps(sc, z));
-            if (g < sl) _mm512_storeu_ps(S + g, sc);
+            zv[r] = _mm512_castsi512_ps(zi);
         }
+        /* 16 chunks (or four chunks' quarters): 64 values at 4g */
+        qs_interleave(q, sc, ps + 4 * g);
+        qs_interleave(q, zv, (float *)z + 4 * g);
     }
 }
 
 /* Params of rows o0 .. o0 + I16_ROWS - 1 (those past nr repeat the first),
- * pl floats each: the scales S (per chunk or per quarter), then the
- * correction weights W = s z per unit, zero past the units. */
+ * 2 st values: the rows' scales S per unit (chunk c's at 4c + r; with
+ * quarters, quarter j of chunk c's at 16c + 4j + r), then their zero
+ * points z as int32 in the same order (zero past the units). */
 VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
     const ColiFfnMat *m = q->m;
     if (m->group == 128 || m->group == 32) {
@@ -96,55 +138,39 @@ VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
         default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16); return;
         }
     }
+    int32_t *z = (int32_t *)(ps + q->st);
+    memset(ps, 0, sizeof(float) * (size_t)(2 * q->st));
     for (int r = 0; r < I16_ROWS; r++) {
         int64_t o = o0 + (r < nr ? r : 0);
-        float *S = ps + r * q->pl, *W = S + q->pl - q->ul;
-        memset(W, 0, sizeof(float) * (size_t)q->ul);
-        memset(S, 0, sizeof(float) * (size_t)(q->pl - q->ul));
-        if (q->quarters) {  /* groups of 64, 96, ...: a quarter's group */
-            for (int64_t j = 0; j < q->units; j++) {
-                int64_t g = 32 * j / m->group;
-                S[j] = coli_ffn_scale_at(m, o * m->groups + g);
-                W[j] = S[j] * (float)(m->zeros ? coli_ffn_zero_at(m, o, g) : 8);
-            }
-            continue;
+        for (int64_t u = 0; u < (q->quarters ? (m->n_in + 31) / 32 : q->chunks); u++) {
+            int64_t g = (q->quarters ? 32 : 128) * u / m->group;  /* its group */
+            int64_t at = q->quarters ? 16 * (u / 4) + 4 * (u % 4) + r : 4 * u + r;
+            ps[at] = coli_ffn_scale_at(m, o * m->groups + g);
+            z[at] = coli_ffn_zero_at(m, o, g);
         }
-        for (int64_t g = 0; g < m->groups; g++)  /* groups of 256, 384, ...: per group, each chunk's */
-            W[g] = coli_ffn_scale_at(m, o * m->groups + g) *
-                   (float)(m->zeros ? coli_ffn_zero_at(m, o, g) : 8);
-        for (int64_t c = 0; c < q->chunks; c++)
-            S[c] = coli_ffn_scale_at(m, o * m->groups + 128 * c / m->group);
     }
 }
 
 /* Every token's inputs quantised per chunk (i16_quantise): per token,
- * chunks * 128 int16 at xq, the chunks' scales at sx and exact sums at A
- * (kl each), and the unit sums X (ul each, zero past the units): a
- * quarter's from its lanes (lane l of a chunk's vectors holds inputs
- * 8l .. 8l + 7), a group's its chunks' in order. */
+ * chunks * 128 int16 at xq, the chunks' scales at sx (kl each), and the
+ * units' exact sums at A (al each: per chunk, or per quarter from its
+ * lanes: lane l of a chunk's vectors holds inputs 8l .. 8l + 7). */
 VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int64_t part, int ns,
-                            int tokens, int16_t *xq, float *sx, int32_t *A, float *X) {
-    const int64_t ldq = 128 * q->chunks, cpg = q->quarters ? 1 : q->m->group / 128;
+                            int tokens, int16_t *xq, float *sx, int32_t *A) {
+    const int64_t ldq = 128 * q->chunks;
     const __m512i ones = _mm512_set1_epi16(1);
     for (int t = 0; t < tokens; t++) {
-        float *xt = X + t * q->ul, *st = sx + t * q->kl, acc = 0.0f;
         int16_t *dq = xq + t * ldq;
-        i16_quantise(x + t * ldx, part, ns, ldq, 128, ldq, dq, st, A + t * q->kl);
-        memset(xt, 0, sizeof(float) * (size_t)q->ul);
+        int32_t *at = A + t * q->al;
+        i16_quantise(x + t * ldx, part, ns, ldq, 128, ldq, dq, sx + t * q->kl, at);
+        if (!q->quarters) continue;
         for (int64_t c = 0; c < q->chunks; c++) {
-            if (q->quarters) {
-                __m512i lanes = _mm512_setzero_si512();
-                for (int v = 0; v < 4; v++)
-                    lanes = _mm512_dpwssd_epi32(lanes, _mm512_loadu_si512(dq + 128 * c + 32 * v), ones);
-                int32_t l[16];
-                _mm512_storeu_si512(l, lanes);
-                for (int j = 0; j < 4 && 4 * c + j < q->units; j++)
-                    xt[4 * c + j] = st[c] * (float)(l[4 * j] + l[4 * j + 1] + l[4 * j + 2] + l[4 * j + 3]);
-                continue;
-            }
-            float part_sum = st[c] * (float)A[t * q->kl + c];
-            acc = c % cpg ? acc + part_sum : part_sum;
-            if (c % cpg == cpg - 1 || c == q->chunks - 1) xt[c / cpg] = acc;
+            __m512i lanes = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++)
+                lanes = _mm512_dpwssd_epi32(lanes, _mm512_loadu_si512(dq + 128 * c + 32 * v), ones);
+            int32_t l[16];
+            _mm512_storeu_si512(l, lanes);
+            for (int j = 0; j < 4; j++) at[4 * c + j] = l[4 * j] + l[4 * j + 1] + l[4 * j + 2] + l[4 * j + 3];
         }
     }
 }
@@ -155,123 +181,279 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
         const uint8_t *src_ = rows[r] + 64 * (CI);                                           \
         __m512i w_ = WHOLE ? _mm512_loadu_si512(src_) : _mm512_maskz_loadu_epi8(q->tail, src_); \
         /* the group of rows' bytes in order, not four streams (measured faster) */          \
-        ffn_prefetch2((const char *)rows[0] + 64 * (I16_ROWS * (CI) + (r)), ahead);            \
+        if (ahead) ffn_prefetch2((const char *)rows[0] + 64 * (I16_ROWS * (CI) + (r)), ahead); \
         n[0] = _mm512_and_si512(w_, lo);                                                     \
         n[1] = _mm512_and_si512(_mm512_srli_epi16(w_, 4), lo);                               \
         n[2] = _mm512_and_si512(_mm512_srli_epi16(w_, 8), lo);                               \
         n[3] = _mm512_srli_epi16(w_, 12);                                                    \
     } while (0)
 
-/* Chunk CI's weight scales of row r. */
-#define QI_SCALE(r, CI)                                                                      \
-    (QUARTERS_ ? _mm512_permutexvar_ps(expand, _mm512_castps128_ps512(                       \
-                                                   _mm_loadu_ps(ps + (r) * q->pl + 4 * (CI)))) \
-               : _mm512_set1_ps(ps[(r) * q->pl + (CI)]))
-
-/* Token t's exact integer sum of chunk CI with the decoded n. */
+/* Token t's integer sums of chunk CI with the decoded n, per lane. */
 #define QI_SUM(N, t, CI)                                                                     \
     _mm512_dpwssd_epi32(                                                                     \
         _mm512_dpwssd_epi32(                                                                 \
             _mm512_dpwssd_epi32(                                                             \
-                _mm512_dpwssd_epi32(_mm512_setzero_si512(), (N)[0],                           \
-                                    _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI))),         \
+                _mm512_madd_epi16((N)[0], _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI))),    \
                 (N)[1], _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI) + 32)),                 \
             (N)[2], _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI) + 64)),                     \
         (N)[3], _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI) + 96))
 
-/* c = fma(float(P), S * token t's chunk scale, c). */
-#define QI_ADD(C, P, SV, t, CI)                                                              \
-    C = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P),                                               \
-                        _mm512_mul_ps(SV, _mm512_set1_ps(sx[(t) * q->kl + (CI)])), C)
+/* Four rows' lane sums p[r] to units: lane 4j + r holds lanes 4j .. 4j + 3
+ * of p[r] (row r's quarter j). */
+VNNI INLINE __m512i qi_quarters4(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
+    __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+    __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
 
-/* One token: the four rows side by side. */
+/* Four tokens' quarters (qi_quarters4's) to chunks: lane 4t + r holds
+ * token t's sum of row r. */
+VNNI INLINE __m512i qi_chunks4(__m512i t0, __m512i t1, __m512i t2, __m512i t3) {
+    __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* A (row, token)'s result from its sums as the loops leave them (v: the
+ * token's, I16_ROWS * aw floats: row r's at r, or quarter j's at 4j + r). */
+static inline float qi_result(const QsInfo *q, const float *v, int r) {
+    return q->quarters ? (v[r] + v[4 + r]) + (v[8 + r] + v[12 + r]) : v[r];
+}
+
+/* Lanes 4i .. 4i + 3 take element i of four (0 .. 3 in 4i + r lanes: a
+ * token's of four, or a quarter's). */
+static const int32_t QI_FOURS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+/* One token, four rows side by side: chunk CI. */
 #define QI_CHUNK1(CI, WHOLE)                                                                 \
+    do {                                                                                     \
+        __m512i n[I16_ROWS][4], p[I16_ROWS];                                                  \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) QI_DECODE(n[r], r, CI, WHOLE);              \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) p[r] = QI_SUM(n[r], 0, CI);                 \
+        __m512i u_ = qi_quarters4(p[0], p[1], p[2], p[3]);                                   \
+        __m512 x_ = _mm512_set1_ps(sx[CI]);                                                  \
+        if (QUARTERS_) {                                                                     \
+            __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(             \
+                                                             _mm_loadu_si128((const __m128i *)(A + 4 * (CI))))); \
+            __m512i d_ = _mm512_sub_epi32(u_, _mm512_mullo_epi32(_mm512_loadu_si512(z + 16 * (CI)), a_)); \
+            cq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_),                                     \
+                                 _mm512_mul_ps(_mm512_loadu_ps(ps + 16 * (CI)), x_), cq);    \
+        } else {                                                                             \
+            __m256i h_ = _mm256_add_epi32(_mm512_castsi512_si256(u_), _mm512_extracti64x4_epi64(u_, 1)); \
+            __m128i s_ = _mm_add_epi32(_mm256_castsi256_si128(h_), _mm256_extracti128_si256(h_, 1)); \
+            s_ = _mm_sub_epi32(s_, _mm_mullo_epi32(_mm_loadu_si128((const __m128i *)(z + 4 * (CI))), \
+                                                   _mm_set1_epi32(A[CI])));                  \
+            cn = _mm_fmadd_ps(_mm_cvtepi32_ps(s_),                                           \
+                              _mm_mul_ps(_mm_loadu_ps(ps + 4 * (CI)), _mm512_castps512_ps128(x_)), cn); \
+        }                                                                                    \
+    } while (0)
+
+/* One token: rows o0 .. o0 + nr - 1 over every chunk (xq, sx, A: the
+ * token's). */
+#define QI_STREAM(QUARTERS)                                                                  \
+    VNNI static void qi_stream_##QUARTERS(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, \
+                                          const float *sx, const int32_t *A, const float *ps, float *dst) { \
+        enum { QUARTERS_ = QUARTERS, ldq = 0 };                                              \
+        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(QI_FOURS);     \
+        const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);                           \
+        const int32_t *z = (const int32_t *)(ps + q->st);                                    \
+        const uint8_t *rows[I16_ROWS];                                                        \
+        (void)fours;                                                                         \
+        UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
+            rows[r] = q->m->data + (o0 + (r < nr ? r : 0)) * q->row_bytes;                   \
+        __m512 cq = _mm512_setzero_ps();                                                     \
+        __m128 cn = _mm_setzero_ps();                                                        \
+        for (int64_t ci = 0; ci < q->whole; ci++) QI_CHUNK1(ci, 1);                          \
+        if (q->whole < q->chunks) QI_CHUNK1(q->whole, 0);                                    \
+        float v[16];                                                                         \
+        if (QUARTERS_) _mm512_storeu_ps(v, cq);                                              \
+        else _mm_storeu_ps(v, cn);                                                           \
+        for (int r = 0; r < nr; r++) dst[o0 + r] = qi_result(q, v, r);                       \
+    }
+QI_STREAM(0)
+QI_STREAM(1)
+#undef QI_STREAM
+#undef QI_CHUNK1
+
+/* TB tokens, four rows: chunk CI (the rows decoded once for the block). */
+#define QI_CHUNKT(CI, WHOLE)                                                                 \
     do {                                                                                     \
         __m512i n[I16_ROWS][4];                                                               \
         UNROLL for (int r = 0; r < I16_ROWS; r++) QI_DECODE(n[r], r, CI, WHOLE);              \
-        UNROLL for (int r = 0; r < I16_ROWS; r++) {                                           \
-            __m512i p_ = QI_SUM(n[r], 0, CI);                                                \
-            QI_ADD(c[r][0], p_, QI_SCALE(r, CI), 0, CI);                                     \
+        if (QUARTERS_) {                                                                     \
+            __m512 s_ = _mm512_loadu_ps(ps + 16 * (CI));                                     \
+            __m512i z_ = _mm512_loadu_si512(z + 16 * (CI));                                  \
+            UNROLL for (int t = 0; t < TB_; t++) {                                           \
+                __m512i u_ = qi_quarters4(QI_SUM(n[0], t, CI), QI_SUM(n[1], t, CI),           \
+                                          QI_SUM(n[2], t, CI), QI_SUM(n[3], t, CI));          \
+                __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(_mm_loadu_si128( \
+                                                                 (const __m128i *)(A + t * q->al + 4 * (CI))))); \
+                u_ = _mm512_sub_epi32(u_, _mm512_mullo_epi32(z_, a_));                       \
+                cq[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_),                              \
+                                        _mm512_mul_ps(s_, _mm512_set1_ps(sx[t * q->kl + (CI)])), cq[t]); \
+            }                                                                                \
+        } else {                                                                             \
+            __m512i u_[4];                                                                   \
+            UNROLL for (int t = 0; t < 4; t++)                                               \
+                u_[t] = t < TB_ ? qi_quarters4(QI_SUM(n[0], t, CI), QI_SUM(n[1], t, CI),      \
+                                               QI_SUM(n[2], t, CI), QI_SUM(n[3], t, CI))      \
+                                : _mm512_setzero_si512();                                    \
+            __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(             \
+                                                             _mm_loadu_si128((const __m128i *)(at + (CI) * tp)))); \
+            __m512i d_ = _mm512_sub_epi32(qi_chunks4(u_[0], u_[1], u_[2], u_[3]),            \
+                                          _mm512_mullo_epi32(_mm512_broadcast_i32x4(         \
+                                                                 _mm_loadu_si128((const __m128i *)(z + 4 * (CI)))), a_)); \
+            __m512 s_ = _mm512_broadcast_f32x4(_mm_loadu_ps(ps + 4 * (CI)));                 \
+            __m512 x_ = _mm512_permutexvar_ps(fours, _mm512_castps128_ps512(_mm_loadu_ps(sxt + (CI) * tp))); \
+            cn = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_mul_ps(s_, x_), cn);          \
         }                                                                                    \
     } while (0)
 
-/* More tokens: row after row, the block's tokens side by side. */
-#define QI_CHUNKT(CI, WHOLE)                                                                 \
-    UNROLL for (int r = 0; r < I16_ROWS; r++) {                                               \
-        __m512i n[4];                                                                        \
-        QI_DECODE(n, r, CI, WHOLE);                                                          \
-        __m512 sv = QI_SCALE(r, CI);                                                         \
-        UNROLL for (int t = 0; t < TB_; t++) {                                               \
-            __m512i p_ = QI_SUM(n, t, CI);                                                   \
-            QI_ADD(c[r][t], p_, sv, t, CI);                                                  \
-        }                                                                                    \
-    }
-
-/* Row r's results for TB tokens (sums C[t]): the lane tree of c - cv. */
-#define QI_RESULT(r, C)                                                                      \
-    do {                                                                                     \
-        const float *W = ps + (r) * q->pl + q->pl - q->ul;                                   \
-        UNROLL for (int t = 0; t < TB_; t++) {                                               \
-            __m512 cv = _mm512_setzero_ps();                                                 \
-            for (int64_t j = 0; j < q->ul; j += 16)                                          \
-                cv = _mm512_fmadd_ps(_mm512_loadu_ps(W + j), _mm512_loadu_ps(X + t * q->ul + j), cv); \
-            dst[t * ld_dst + o0 + (r)] = tree_512(_mm512_sub_ps(C[t], cv));                  \
-        }                                                                                    \
-    } while (0)
-
-/* Rows o0 .. o0 + nr - 1 for TB tokens (xq, sx, X: theirs). */
-#define QI_STREAM(TB, QUARTERS)                                                              \
-    VNNI static void qi_stream_##TB##_##QUARTERS(                                            \
-        const QsInfo *q, int64_t o0, int nr, const int16_t *xq, int64_t ldq, const float *sx, \
-        const float *ps, const float *X, float *dst, int64_t ld_dst) {                       \
-        enum { TB_ = TB, QUARTERS_ = QUARTERS };                                             \
-        const __m512i lo = _mm512_set1_epi16(0xf);                                           \
-        const __m512i expand = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3); \
-        const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);  \
+/* A tile: rows o0 .. o0 + nr - 1, chunks [c0, c1), TB tokens (xq, sx, A:
+ * theirs; sxt, at: their chunk scales and sums, chunk after chunk, tp
+ * apart), their sums carried in acc (token t's I16_ROWS * aw floats at
+ * acc + t * I16_ROWS * aw) from the tile before. The rows' bytes come from
+ * L2 (see qs_tiles): no prefetch of them here. */
+#define QI_TILE(TB, QUARTERS)                                                                \
+    VNNI static void qi_tile_##TB##_##QUARTERS(                                              \
+        const QsInfo *q, int64_t o0, int nr, int64_t c0, int64_t c1, const int16_t *xq,     \
+        int64_t ldq, const float *sx, const int32_t *A, const float *sxt, const int32_t *at, \
+        int64_t tp, const float *ps, float *acc) {                                           \
+        enum { TB_ = TB, QUARTERS_ = QUARTERS, ahead = 0 };                                  \
+        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(QI_FOURS);     \
+        const int32_t *z = (const int32_t *)(ps + q->st);                                    \
         const uint8_t *rows[I16_ROWS];                                                        \
-        (void)expand;                                                                        \
+        (void)sxt, (void)at, (void)tp, (void)A, (void)sx;                                    \
         UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
             rows[r] = q->m->data + (o0 + (r < nr ? r : 0)) * q->row_bytes;                   \
-        __m512 c[I16_ROWS][TB];                                                               \
-        UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
-            UNROLL for (int t = 0; t < TB; t++) c[r][t] = _mm512_setzero_ps();               \
-        if (TB == 1) {                                                                       \
-            for (int64_t ci = 0; ci < q->whole; ci++) QI_CHUNK1(ci, 1);                      \
-            if (q->whole < q->chunks) QI_CHUNK1(q->whole, 0);                                \
+        const __mmask16 mine = (__mmask16)((1u << (4 * TB)) - 1);                           \
+        __m512 cq[TB], cn = _mm512_maskz_loadu_ps(mine, acc);                                \
+        UNROLL for (int t = 0; t < TB; t++) cq[t] = QUARTERS ? _mm512_loadu_ps(acc + 16 * t) : cn; \
+        int64_t w1 = c1 < q->whole ? c1 : q->whole;                                          \
+        for (int64_t ci = c0; ci < w1; ci++) QI_CHUNKT(ci, 1);                               \
+        if (c1 > q->whole) QI_CHUNKT(q->whole, 0);                                           \
+        if (QUARTERS) {                                                                      \
+            UNROLL for (int t = 0; t < TB; t++) _mm512_storeu_ps(acc + 16 * t, cq[t]);       \
         } else {                                                                             \
-            for (int64_t ci = 0; ci < q->whole; ci++) QI_CHUNKT(ci, 1)                       \
-            if (q->whole < q->chunks) QI_CHUNKT(q->whole, 0)                                 \
+            _mm512_mask_storeu_ps(acc, mine, cn);                                            \
         }                                                                                    \
-        UNROLL for (int r = 0; r < I16_ROWS; r++) if (r < nr) QI_RESULT(r, c[r]);            \
     }
-#define QI_STREAMS(Q) QI_STREAM(1, Q) QI_STREAM(2, Q) QI_STREAM(4, Q)
-QI_STREAMS(0)
-QI_STREAMS(1)
-#undef QI_STREAMS
-#undef QI_STREAM
-#undef QI_CHUNK1
+#define QI_TILES(Q) QI_TILE(1, Q) QI_TILE(2, Q) QI_TILE(4, Q)
+QI_TILES(0)
+QI_TILES(1)
+#undef QI_TILES
+#undef QI_TILE
 #undef QI_CHUNKT
-#undef QI_RESULT
-#undef QI_ADD
 #undef QI_SUM
-#undef QI_SCALE
 #undef QI_DECODE
 
-typedef void (*QiStreamFn)(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, int64_t ldq,
-                           const float *sx, const float *ps, const float *X, float *dst,
-                           int64_t ld_dst);
+typedef void (*QiTileFn)(const QsInfo *q, int64_t o0, int nr, int64_t c0, int64_t c1,
+                         const int16_t *xq, int64_t ldq, const float *sx, const int32_t *A,
+                         const float *sxt, const int32_t *at, int64_t tp, const float *ps, float *acc);
 /* By quarters, then by block: 1, 2 and 4 tokens. */
-static const QiStreamFn QI_STREAM_FNS[2][3] = {
-    {qi_stream_1_0, qi_stream_2_0, qi_stream_4_0}, {qi_stream_1_1, qi_stream_2_1, qi_stream_4_1}};
+static const QiTileFn QI_TILE_FNS[2][3] = {
+    {qi_tile_1_0, qi_tile_2_0, qi_tile_4_0}, {qi_tile_1_1, qi_tile_2_1, qi_tile_4_1}};
 
-/* Scratch: the tokens' quantised inputs (first: 64-byte aligned), their
- * chunk scales and unit sums, the params of a group of rows, the tokens'
- * chunk sums. */
-static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
-    (void)n0, (void)n1;
-    QsInfo q = qs_info(m);
-    return sizeof(int16_t) * (size_t)(tokens * 128 * q.chunks) + sizeof(int32_t) * (size_t)(tokens * q.kl) +
-           sizeof(float) * (size_t)(tokens * (q.kl + q.ul) + I16_ROWS * q.pl);
+/* Tiles of more than one token: rows in panels of about QI_PANEL bytes
+ * (they stay in L2 while every block of tokens runs over them), inputs in
+ * slices of QI_SLICE chunks (a block of four tokens' slice, 16 KiB, stays
+ * in L1 while the panel's rows run over it), at most QI_TOKENS tokens'
+ * sums at a time. */
+enum { QI_PANEL = 256 * 1024, QI_SLICE = 16, QI_TOKENS = 16 };
+
+static int64_t qi_panel_rows(const QsInfo *q, int64_t n) {
+    int64_t rp = QI_PANEL / q->row_bytes / I16_ROWS * I16_ROWS;
+    if (rp < I16_ROWS) rp = I16_ROWS;
+    n = coli_ffn_round_up(n, I16_ROWS);
+    return rp < n ? rp : n;
+}
+
+/* The chunk tables of the tiles: chunk after chunk, every token's (tp:
+ * tokens rounded up to 4, plus 4, zero past them). */
+static int64_t qi_table_stride(int tokens) { return coli_ffn_round_up(tokens, 4) + 4; }
+
+/* The tables of the tokens' chunk scales sx (kl per token) and, without
+ * quarters, chunk sums A (al per token): chunk after chunk, tp apart. */
+static void qi_fill_tables(const QsInfo *q, const float *sx, const int32_t *A, int tokens, float *sxt,
+                           int32_t *at, int64_t tp) {
+    memset(sxt, 0, sizeof(float) * (size_t)(q->chunks * tp));
+    memset(at, 0, sizeof(int32_t) * (size_t)(q->chunks * tp));
+    for (int t = 0; t < tokens; t++)
+        for (int64_t c = 0; c < q->chunks; c++) {
+            sxt[c * tp + t] = sx[t * q->kl + c];
+            if (!q->quarters) at[c * tp + t] = A[t * q->al + c];
+        }
+}
+
+/* Lines [l0, l1) of bytes at p into L2. */
+static void qi_prefetch_l2(const char *p, int64_t l0, int64_t l1) {
+    for (int64_t l = l0; l < l1; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+}
+
+/* Calls qs_tiles makes over a panel of rows (nr rows) for tokens tokens. */
+static int64_t qi_tile_calls(const QsInfo *q, int64_t nr, int tokens) {
+    int64_t blocks = 0;
+    for (int t0 = 0, fn; t0 < tokens;) t0 += i16_block(tokens - t0, &fn), blocks++;
+    return ((nr + I16_ROWS - 1) / I16_ROWS) * ((q->chunks + QI_SLICE - 1) / QI_SLICE) * blocks;
+}
+
+/* The inputs of a call, quantised (qi_prepare's), and their chunk tables
+ * (qi_fill_tables'). */
+typedef struct {
+    const int16_t *xq;
+    int64_t ldq;
+    const float *sx;
+    const int32_t *A;
+    const float *sxt;
+    const int32_t *at;
+    int64_t tp;
+} QiInputs;
+
+/* Rows [n0, n1) for more than one token, in tiles (see QI_PANEL): the
+ * next panel's bytes go into L2 a share per tile, the first's at once. */
+static void qs_tiles(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task,
+                     const QiInputs *in, float *ps, float *acc) {
+    const int64_t rp = qi_panel_rows(q, n1 - n0), ga = I16_ROWS * q->aw;
+    const char *data = (const char *)q->m->data;
+    qi_prefetch_l2(data + n0 * q->row_bytes, 0, ((n0 + rp < n1 ? rp : n1 - n0) * q->row_bytes + 63) / 64);
+    for (int64_t p0 = n0; p0 < n1; p0 += rp) {
+        int64_t p1 = p0 + rp < n1 ? p0 + rp : n1, p2 = p1 + rp < n1 ? p1 + rp : n1;
+        int64_t lines = ((p2 - p1) * q->row_bytes + 63) / 64, done = 0;
+        int64_t calls = qi_tile_calls(q, p1 - p0, task->tokens), share = (lines + calls - 1) / calls;
+        const char *next = data + p1 * q->row_bytes;
+        for (int64_t o0 = p0; o0 < p1; o0 += I16_ROWS)
+            qs_params(q, o0, p1 - o0 < I16_ROWS ? (int)(p1 - o0) : I16_ROWS, ps + (o0 - p0) / I16_ROWS * 2 * q->st);
+        for (int tg = 0; tg < task->tokens; tg += QI_TOKENS) {
+            int nt = task->tokens - tg < QI_TOKENS ? task->tokens - tg : QI_TOKENS;
+            memset(acc, 0, sizeof(float) * (size_t)((p1 - p0 + I16_ROWS - 1) / I16_ROWS * nt * ga));
+            for (int64_t c0 = 0; c0 < q->chunks; c0 += QI_SLICE) {
+                int64_t c1 = c0 + QI_SLICE < q->chunks ? c0 + QI_SLICE : q->chunks;
+                for (int t0 = tg, fn; t0 < tg + nt;) {
+                    int tb = i16_block(tg + nt - t0, &fn);
+                    for (int64_t o0 = p0; o0 < p1; o0 += I16_ROWS) {
+                        int nr = p1 - o0 < I16_ROWS ? (int)(p1 - o0) : I16_ROWS;
+                        int64_t g = (o0 - p0) / I16_ROWS, upto = done + share < lines ? done + share : lines;
+                        qi_prefetch_l2(next, done, upto);
+                        done = upto;
+                        QI_TILE_FNS[q->quarters][fn](q, o0, nr, c0, c1, in->xq + t0 * in->ldq, in->ldq,
+                                                     in->sx + t0 * q->kl, in->A + t0 * q->al, in->sxt + t0,
+                                                     in->at + t0, in->tp, ps + g * 2 * q->st,
+                                                     acc + (g * nt + t0 - tg) * ga);
+                    }
+                    t0 += tb;
+                }
+            }
+            for (int64_t o0 = p0; o0 < p1; o0 += I16_ROWS) {
+                int64_t g = (o0 - p0) / I16_ROWS;
+                for (int r = 0; r < I16_ROWS && o0 + r < p1; r++)
+                    for (int t = 0; t < nt; t++)
+                        task->dst[(tg + t) * task->ld_dst + o0 + r] = qi_result(q, acc + (g * nt + t) * ga, r);
+            }
+        }
+    }
 }
 
 /* The scales (and zero points) of rows o .. o + I16_ROWS - 1 into L1: a
@@ -291,27 +473,78 @@ static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
             _mm_prefetch((const char *)m->zeros + 4 * (o / 8) * m->groups + b, _MM_HINT_T0);
 }
 
+/* More than one token with AMX (ffn_x86_amx.h), for groups of a multiple of
+ * 128: 16 rows and up to 16 tokens a tile; QA_PANEL tiles of rows share
+ * each chunk's input tiles. */
+enum { QA_ROWS = 16, QA_TOKENS = 16, QA_TILE = 1024 /* bytes of a tile: 16 rows of 64 */, QA_PANEL = 2 };
+#if COLI_AMX
+AMX static void qa_inputs(const QsInfo *q, const int16_t *xq, int64_t ldq, int tokens, uint8_t *b);
+AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
+                        const uint8_t *b, float *ps, float *acc, uint8_t *w);
+#endif
+
+/* The scratch of a call (offsets in bytes from the first, 64-byte aligned):
+ * the tokens' quantised inputs, their chunk scales and unit sums, the
+ * params of a panel of rows (of QA_PANEL tiles of rows at least), the sums
+ * of its tiles (for AMX, 16 floats a row at least), the chunk tables; with
+ * AMX, the inputs' tiles and 8 KiB for two chunks' weight and sum tiles. */
+typedef struct {
+    size_t sx, A, ps, acc, sxt, at, tiles, amx, total;
+} QsScratch;
+
+static QsScratch qs_layout(const QsInfo *q, int64_t n0, int64_t n1, int tokens) {
+    QsScratch s;
+    int64_t groups = qi_panel_rows(q, n1 - n0) / I16_ROWS, nt = tokens < QI_TOKENS ? tokens : QI_TOKENS;
+    int64_t per_group = nt * I16_ROWS * q->aw > 64 ? nt * I16_ROWS * q->aw : 64;
+    if (groups < QA_PANEL * QA_ROWS / I16_ROWS) groups = QA_PANEL * QA_ROWS / I16_ROWS;
+    s.sx = sizeof(int16_t) * (size_t)(tokens * 128 * q->chunks);
+    s.A = s.sx + sizeof(float) * (size_t)(tokens * q->kl);
+    s.ps = s.A + sizeof(int32_t) * (size_t)(tokens * q->al);
+    s.acc = s.ps + sizeof(float) * (size_t)(groups * 2 * q->st);
+    s.sxt = s.acc + sizeof(float) * (size_t)(groups * per_group);
+    s.at = s.sxt + sizeof(float) * (size_t)(q->chunks * qi_table_stride(tokens));
+    s.tiles = (s.at + sizeof(int32_t) * (size_t)(q->chunks * qi_table_stride(tokens)) + 63) / 64 * 64;
+    s.amx = s.tiles + (size_t)((tokens + QA_TOKENS - 1) / QA_TOKENS * q->chunks) * 4 * QA_TILE;
+    s.total = s.amx + 8 * QA_TILE;
+    return s;
+}
+
+static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens) {
+    QsInfo q = qs_info(m);
+    return qs_layout(&q, n0, n1, tokens).total;
+}
+
 static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     QsInfo q = qs_info(m);
     /* the params' stream as far ahead as the rows' (whole blocks of rows) */
     const int64_t pa = I16_ROWS * (rows_ahead(I16_ROWS * q.row_bytes) / (I16_ROWS * q.row_bytes));
     const int64_t ldq = 128 * q.chunks;
-    int16_t *xq = (int16_t *)task->scratch;
-    float *sx = (float *)(xq + task->tokens * ldq), *X = sx + task->tokens * q.kl;
-    float *ps = X + task->tokens * q.ul;
-    int32_t *A = (int32_t *)(ps + I16_ROWS * q.pl);
+    QsScratch at = qs_layout(&q, n0, n1, task->tokens);
+    uint8_t *base = task->scratch;
+    int16_t *xq = (int16_t *)base;
+    float *sx = (float *)(base + at.sx), *ps = (float *)(base + at.ps), *acc = (float *)(base + at.acc);
+    int32_t *A = (int32_t *)(base + at.A);
     int64_t part = ns == 2 ? task->ldx / 2 : 0;
-    qi_prepare(&q, (const uint16_t *)task->x, task->ldx, part, ns, task->tokens, xq, sx, A, X);
+    qi_prepare(&q, (const uint16_t *)task->x, task->ldx, part, ns, task->tokens, xq, sx, A);
+    if (task->tokens > 1) {
+        QiInputs in = {xq, ldq, sx, A, (float *)(base + at.sxt), (int32_t *)(base + at.at),
+                       qi_table_stride(task->tokens)};
+        qi_fill_tables(&q, sx, A, task->tokens, (float *)(base + at.sxt), (int32_t *)(base + at.at), in.tp);
+#if COLI_AMX
+        if (!q.quarters && coli_ffn_int4_amx_usable()) {
+            qa_inputs(&q, xq, ldq, task->tokens, base + at.tiles);
+            qa_rows(&q, n0, n1, task, &in, base + at.tiles, ps, acc, base + at.amx);
+            return;
+        }
+#endif
+        qs_tiles(&q, n0, n1, task, &in, ps, acc);
+        return;
+    }
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
         qs_params(&q, o0, nr, ps);
-        for (int t0 = 0, fn; t0 < task->tokens;) {
-            int tb = i16_block(task->tokens - t0, &fn);
-            QI_STREAM_FNS[q.quarters][fn](&q, o0, nr, xq + t0 * ldq, ldq, sx + t0 * q.kl, ps,
-                                          X + t0 * q.ul, task->dst + t0 * task->ld_dst, task->ld_dst);
-            t0 += tb;
-        }
+        (q.quarters ? qi_stream_1 : qi_stream_0)(&q, o0, nr, xq, sx, A, ps, task->dst);
     }
 }
 

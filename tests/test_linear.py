@@ -13,7 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import colibri
@@ -74,6 +74,10 @@ def check(w: PackedWeight, x: np.ndarray, isa: str, threads: int = 2) -> np.ndar
 
 
 @settings(max_examples=40, deadline=None)
+# an output whose exact value lies just past a bfloat16 rounding midpoint:
+# the scalar path and the integer kernels round it to neighbours
+@example(n_out=57, groups=1, group=32, tokens=1, zeros=True, bias=True, scale=ml_dtypes.bfloat16,
+         bf16=True, seed=57)
 @given(n_out=st.integers(1, 70), groups=st.integers(1, 4), group=st.sampled_from([8, 16, 32, 64, 128]),
        tokens=st.integers(1, 64), zeros=st.booleans(), bias=st.booleans(),
        scale=st.sampled_from([np.float32, ml_dtypes.bfloat16]), bf16=st.booleans(), seed=st.integers(0, 2**16))
@@ -86,7 +90,9 @@ def test_int4_matches_the_reference_on_every_path(n_out: int, groups: int, group
     scalar = check(w, x, "scalar")
     for isa in SIMD:
         got = check(w, x, isa)
-        assert relative_error(got, scalar.astype(np.float64)) <= (F32_BOUND if not bf16 else BF16_BOUND)
+        # each within its bound of the exact result; bfloat16 outputs on either
+        # side of a rounding midpoint differ by one unit in the last place
+        assert relative_error(got, scalar.astype(np.float64)) <= (F32_BOUND if not bf16 else 2 * BF16_BOUND)
 
 
 @settings(max_examples=20, deadline=None)

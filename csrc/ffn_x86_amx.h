@@ -1,0 +1,208 @@
+/*
+ * ffn_x86_amx.h (private, included once by ffn_x86.c after
+ * ffn_x86_int4.h): compressed-tensors int4 (groups of a multiple of 128)
+ * for more than one token with AMX tiles, on CPUs with AMX-TILE and
+ * AMX-INT8 where the OS grants the tile state. Its sums are the int4
+ * kernel's (see ffn_x86_int4.h): the same exact integer D per chunk, the
+ * same float operations after it, so the same bits as a token alone.
+ *
+ * A tile product C[m][n] += sum over k of A[m][k] B[k / 4][4n + k % 4]
+ * multiplies 8-bit integers. A: 16 rows' nibbles of a chunk less their
+ * zero point, as signed bytes, the low nibbles (inputs 0, 2, ..., 126) in
+ * one tile and the high ones in another. B: 16 tokens' inputs of the chunk
+ * in the columns A's bytes hold, each 16-bit input a = 256 h + l split
+ * into its signed high byte h and unsigned low byte l. Per chunk,
+ * D = sum (q - z) a = 256 (A h) + (A l), both exact in 32 bits (signed by
+ * signed, then signed by unsigned bytes), then the int4 kernel's
+ * a = fma(float(D), S * 2^-k, a) with the 16 tokens in a vector's lanes.
+ *
+ * Tiles: 0 and 1 the sums of h and l, 2 and 3 the weights (low and high
+ * nibbles), 4 to 7 the inputs (h of the even and odd columns, then l). */
+
+#if COLI_AMX
+
+
+#ifndef ARCH_GET_XCOMP_PERM
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#endif
+enum { QA_XTILEDATA = 18 };
+
+/* Whether int4 calls of more than one token may use AMX: the CPU has it,
+ * COLIBRI_KERNEL_AMX is not 0, and the OS grants this process the tile
+ * state (asked once; Linux keeps the grant per process). */
+int coli_ffn_int4_amx_usable(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return 0;
+    const char *env = getenv("COLIBRI_KERNEL_AMX");
+    if (env && strcmp(env, "0") == 0) return 0;
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 && (bits >> QA_XTILEDATA) & 1) return 1;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, QA_XTILEDATA) == 0;
+}
+
+/* Every tile 16 rows of 64 bytes. */
+AMX static void qa_configure(void) {
+    uint8_t cfg[64];
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1;  /* palette 1 */
+    for (int i = 0; i < 8; i++) {
+        uint16_t colsb = 64;
+        memcpy(cfg + 16 + 2 * i, &colsb, sizeof colsb);
+        cfg[48 + i] = QA_ROWS;
+    }
+    _tile_loadconfig(cfg);
+}
+
+/* Elements 0 .. 15 of two vectors of 16-bit integers, interleaved. */
+static const int16_t QA_PAIRS[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+
+/* The inputs' tiles: per block of 16 tokens and chunk, four 1 KiB tiles
+ * (h even, h odd, l even, l odd); row kk holds token n's four inputs of
+ * A's columns 4kk .. 4kk + 3 at 4n. A's low-nibble column k is input 2k
+ * of the chunk, its high-nibble column input 2k + 1; in Q128 order input
+ * 4i + s is at 32s + i, so the even columns take vectors 0 and 2, the odd
+ * ones 1 and 3, element pairs interleaved. Tokens past the call are
+ * zero. */
+AMX static void qa_inputs(const QsInfo *q, const int16_t *xq, int64_t ldq, int tokens, uint8_t *b) {
+    const __m512i first = _mm512_loadu_si512(QA_PAIRS), second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(64));
+    const int blocks = (tokens + QA_TOKENS - 1) / QA_TOKENS;
+    memset(b, 0, (size_t)blocks * (size_t)q->chunks * 4 * QA_TILE);
+    for (int t = 0; t < tokens; t++)
+        for (int64_t c = 0; c < q->chunks; c++) {
+            const int16_t *x = xq + t * ldq + 128 * c;
+            uint8_t *tiles = b + ((t / QA_TOKENS) * q->chunks + c) * 4 * QA_TILE + 4 * (t % QA_TOKENS);
+            for (int odd = 0; odd < 2; odd++) {
+                __m512i u = _mm512_loadu_si512(x + 32 * odd), v = _mm512_loadu_si512(x + 32 * odd + 64);
+                __m512i pairs[2] = {_mm512_permutex2var_epi16(u, first, v), _mm512_permutex2var_epi16(u, second, v)};
+                __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(pairs[0], 8))),
+                                               _mm512_cvtepi16_epi8(_mm512_srai_epi16(pairs[1], 8)), 1);
+                __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(pairs[0])),
+                                               _mm512_cvtepi16_epi8(pairs[1]), 1);
+                _mm512_i32scatter_epi32(tiles + odd * QA_TILE, rows, h, 1);
+                _mm512_i32scatter_epi32(tiles + (2 + odd) * QA_TILE, rows, l, 1);
+            }
+        }
+}
+
+/* Chunk c of the 16 rows at rows as A's two tiles at a (low nibbles, then
+ * high), each nibble less its zero point (z: the rows' groups', in S's
+ * order): signed bytes. */
+AMX INLINE void qa_decode(const QsInfo *q, const uint8_t *const *rows, const int32_t *const *z, int64_t c,
+                          int prefetch, uint8_t *a) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
+        const uint8_t *src = rows[m] + 64 * c;
+        __m512i v = c < q->whole ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(q->tail, src);
+        __m512i zb = _mm512_set1_epi8((char)z[m / I16_ROWS][4 * c + m % I16_ROWS]);
+        if (prefetch) ffn_prefetch2((const char *)src, 256);  /* the panel's rows four chunks on */
+        _mm512_storeu_si512(a + 64 * m, _mm512_sub_epi8(_mm512_and_si512(v, mask), zb));
+        _mm512_storeu_si512(a + QA_TILE + 64 * m, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), zb));
+    }
+}
+
+/* Chunk c's sums of a tile of rows (the h and l tiles at p: D = 256 h + l)
+ * into its acc (16 rows' vectors of 16 tokens): a = fma(float(D), S *
+ * 2^-k, a) (s: the four groups of rows' S; x: the tokens' 2^-k). */
+AMX INLINE void qa_add(const int32_t *p, const float *const *s, int64_t c, __m512 x, float *acc) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
+        __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(p + 16 * m), 8),
+                                     _mm512_loadu_si512(p + QA_ROWS * QA_TOKENS + 16 * m));
+        __m512 sv = _mm512_set1_ps(s[m / I16_ROWS][4 * c + m % I16_ROWS]);
+        _mm512_storeu_ps(acc + 16 * m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv, x),
+                                                      _mm512_loadu_ps(acc + 16 * m)));
+    }
+}
+
+/* One tile of rows and chunk: the products of A (at a) with the input
+ * tiles loaded, into the sums at p. */
+AMX INLINE void qa_multiply(const uint8_t *a, int32_t *p) {
+    _tile_loadd(2, a, 64);
+    _tile_loadd(3, a + QA_TILE, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(0, 3, 5);
+    _tile_dpbsud(1, 2, 6);
+    _tile_dpbsud(1, 3, 7);
+    _tile_stored(0, p, 64);
+    _tile_stored(1, p + QA_ROWS * QA_TOKENS, 64);
+}
+
+/* Rows [n0, n1) for tokens tokens (in: qi_prepare's and the chunk tables;
+ * b: qa_inputs' tiles; ps: QA_PANEL * 4 groups of rows' params; acc:
+ * QA_PANEL * 1 KiB floats; w: 8 KiB: two weight tiles' pairs, two sums'
+ * pairs). Panel after panel of rows, chunk after chunk, the panel's tiles
+ * of rows one after another, software-pipelined: one is decoded and the
+ * one before it added while a tile multiplies (a tile load waits for the
+ * stores before it to reach L1). */
+AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
+                        const uint8_t *b, float *ps, float *acc, uint8_t *w) {
+    enum { PR = QA_PANEL * QA_ROWS, GROUPS = PR / I16_ROWS, SUMS = 2 * QA_ROWS * QA_TOKENS };
+    int32_t *sums = (int32_t *)(w + 4 * QA_TILE);
+    const float *s[GROUPS];
+    const int32_t *z[GROUPS];
+    for (int g = 0; g < GROUPS; g++) {
+        s[g] = ps + g * 2 * q->st;
+        z[g] = (const int32_t *)(s[g] + q->st);
+    }
+    qa_configure();
+    for (int64_t p0 = n0; p0 < n1; p0 += PR) {
+        const int64_t p1 = p0 + PR < n1 ? p0 + PR : n1, tiles = (p1 - p0 + QA_ROWS - 1) / QA_ROWS;
+        const uint8_t *rows[PR];
+        for (int m = 0; m < PR; m++) rows[m] = q->m->data + (p0 + m < p1 ? p0 + m : p0) * q->row_bytes;
+        for (int g = 0; g < GROUPS; g++) {
+            int64_t og = p0 + I16_ROWS * g < p1 ? p0 + I16_ROWS * g : p0;
+            qs_params(q, og, p1 - og < I16_ROWS ? (int)(p1 - og) : I16_ROWS, ps + g * 2 * q->st);
+        }
+        for (int t0 = 0; t0 < task->tokens; t0 += QA_TOKENS) {
+            const int nt = task->tokens - t0 < QA_TOKENS ? task->tokens - t0 : QA_TOKENS, first = t0 == 0;
+            const __mmask16 mine = (__mmask16)((1u << nt) - 1);
+            const int64_t steps = q->chunks * tiles;  /* (chunk, tile of rows) after one another */
+            memset(acc, 0, sizeof(float) * (size_t)(tiles * QA_ROWS * QA_TOKENS));
+            qa_decode(q, rows, z, 0, first, w);
+            for (int64_t k = 0; k < steps; k++) {
+                int64_t c = k / tiles, i = k % tiles;
+                if (i == 0) {
+                    const uint8_t *bt = b + ((t0 / QA_TOKENS) * q->chunks + c) * 4 * QA_TILE;
+                    _tile_loadd(4, bt, 64);
+                    _tile_loadd(5, bt + QA_TILE, 64);
+                    _tile_loadd(6, bt + 2 * QA_TILE, 64);
+                    _tile_loadd(7, bt + 3 * QA_TILE, 64);
+                }
+                qa_multiply(w + (k % 2) * 2 * QA_TILE, sums + (k % 2) * SUMS);
+                if (k + 1 < steps) {
+                    int64_t in1 = (k + 1) % tiles;
+                    qa_decode(q, rows + in1 * QA_ROWS, z + in1 * (QA_ROWS / I16_ROWS), (k + 1) / tiles, first,
+                              w + ((k + 1) % 2) * 2 * QA_TILE);
+                }
+                if (k > 0) {
+                    int64_t cp = (k - 1) / tiles, ip = (k - 1) % tiles;
+                    qa_add(sums + ((k - 1) % 2) * SUMS, s + ip * (QA_ROWS / I16_ROWS), cp,
+                           _mm512_maskz_loadu_ps(mine, in->sxt + cp * in->tp + t0), acc + ip * QA_ROWS * QA_TOKENS);
+                }
+            }
+            qa_add(sums + ((steps - 1) % 2) * SUMS, s + (tiles - 1) * (QA_ROWS / I16_ROWS), q->chunks - 1,
+                   _mm512_maskz_loadu_ps(mine, in->sxt + (q->chunks - 1) * in->tp + t0),
+                   acc + (tiles - 1) * QA_ROWS * QA_TOKENS);
+            for (int64_t i = 0; i < tiles; i++) {  /* rows by token: a vector store per token */
+                float by_token[QA_TOKENS * QA_ROWS];
+                int64_t left = p1 - p0 - QA_ROWS * i;
+                __mmask16 rows_left = left >= QA_ROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                for (int m = 0; m < QA_ROWS; m++)
+                    for (int t = 0; t < QA_TOKENS; t++) by_token[QA_ROWS * t + m] = acc[QA_ROWS * (QA_ROWS * i + m) + t];
+                for (int t = 0; t < nt; t++)
+                    _mm512_mask_storeu_ps(task->dst + (t0 + t) * task->ld_dst + p0 + QA_ROWS * i, rows_left,
+                                          _mm512_loadu_ps(by_token + QA_ROWS * t));
+            }
+        }
+    }
+    _tile_release();
+}
+
+#else
+int coli_ffn_int4_amx_usable(void) { return 0; }
+#endif /* COLI_AMX */
