@@ -42,7 +42,7 @@ from colibri.formats import GPTQ
 from colibri.linear import PackedWeight
 
 __all__ = ["expert_ffn", "experts_ffn", "linear", "moe_ffn", "moe_combine", "ACTIVATIONS", "ISAS", "available_isas", "default_isa",
-           "set_isa", "kernel_name", "int4_amx", "set_threads", "default_threads", "torch_threads"]
+           "set_isa", "kernel_name", "amx_tiles", "set_threads", "default_threads", "torch_threads"]
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gpt_oss")
 ISAS: tuple[str, ...] = tuple(ffi.string(lib.coli_ffn_isa_name(i)).decode()
@@ -95,13 +95,13 @@ def set_isa(name: str | None) -> None:
         _forced = number
 
 
-def int4_amx() -> bool:
-    """Whether compressed-tensors int4 calls of more than one token in
-    bfloat16 (groups of a multiple of 128) use AMX tiles on the avx512 path
-    here: the CPU has AMX-TILE and AMX-INT8, the OS grants the tile state,
-    and the ``COLIBRI_KERNEL_AMX`` environment variable is not ``"0"``. The
-    results are the same bits either way."""
-    return bool(lib.coli_ffn_int4_amx_usable())
+def amx_tiles() -> bool:
+    """Whether bfloat16 calls of more than one token of compressed-tensors
+    int4 (groups of a multiple of 128) and MXFP4 use AMX tiles on the
+    avx512 path here: the CPU has AMX-TILE and AMX-INT8, the OS grants the
+    tile state, and the ``COLIBRI_KERNEL_AMX`` environment variable is not
+    ``"0"``. The results are the same bits either way."""
+    return bool(lib.coli_ffn_amx_usable())
 
 
 def kernel_name(lease: Any, role: str = "gate", isa: str | None = None) -> str:

@@ -137,7 +137,7 @@ static ColiFfnActFn act_for(int isa) {
 }
 
 #if !(defined(__x86_64__) || defined(__i386__))
-int coli_ffn_int4_amx_usable(void) { return 0; }
+int coli_ffn_amx_usable(void) { return 0; }
 #endif
 
 const char *coli_ffn_kernel_name(int isa, int format, int in_out) {

@@ -148,12 +148,12 @@ int coli_ffn_isa_supported(int isa);
  * COLI_E* code with a message when COLIBRI_KERNEL_ISA names an unknown path
  * or one this CPU cannot run. */
 int coli_ffn_isa_default(char *err, size_t err_len);
-/* 1 if compressed-tensors int4 calls of more than one token (bfloat16,
- * groups of a multiple of 128) use AMX tiles on the avx512 path here: the
- * CPU has AMX-TILE and AMX-INT8, the OS grants the tile state, and the
- * COLIBRI_KERNEL_AMX environment variable is not "0". Same bits either
- * way. */
-int coli_ffn_int4_amx_usable(void);
+/* 1 if bfloat16 calls of more than one token of compressed-tensors int4
+ * (groups of a multiple of 128) and MXFP4 use AMX tiles on the avx512
+ * path here: the CPU has AMX-TILE and AMX-INT8, the OS grants the tile
+ * state, and the COLIBRI_KERNEL_AMX environment variable is not "0". Same
+ * bits either way. */
+int coli_ffn_amx_usable(void);
 /* "scalar", "avx2", "avx512", "neon"; NULL for another value. */
 const char *coli_ffn_isa_name(int isa);
 /* The name of the kernel a path uses for a format stored one way

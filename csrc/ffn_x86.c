@@ -152,9 +152,9 @@ AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_
 
 #include "ffn_x86_i16.h"
 #include "ffn_x86_int4.h"
-#include "ffn_x86_amx.h"
 #include "ffn_x86_gx.h"
 #include "ffn_x86_mxfp4.h"
+#include "ffn_x86_amx.h"
 
 /* ------------------------------------------------------------ AVX2 vectors */
 

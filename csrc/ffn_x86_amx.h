@@ -1,10 +1,14 @@
 /*
  * ffn_x86_amx.h (private, included once by ffn_x86.c after
- * ffn_x86_int4.h): compressed-tensors int4 (groups of a multiple of 128)
- * for more than one token with AMX tiles, on CPUs with AMX-TILE and
- * AMX-INT8 where the OS grants the tile state. Its sums are the int4
- * kernel's (see ffn_x86_int4.h): the same exact integer D per chunk, the
- * same float operations after it, so the same bits as a token alone.
+ * ffn_x86_int4.h and ffn_x86_mxfp4.h): compressed-tensors int4 (groups of
+ * a multiple of 128) and MXFP4 in bfloat16 calls of more than one token
+ * with AMX tiles, on CPUs with AMX-TILE and AMX-INT8 where the OS grants
+ * the tile state. Their sums are the vector kernels' (see ffn_x86_int4.h
+ * and ffn_x86_mxfp4.h): the same exact integers per chunk or half block,
+ * the same float operations after them, so the same bits as a token
+ * alone.
+ *
+ * int4 below; MXFP4 at the end.
  *
  * A tile product C[m][n] += sum over k of A[m][k] B[k / 4][4n + k % 4]
  * multiplies 8-bit integers. A: 16 rows' nibbles of a chunk less their
@@ -21,17 +25,16 @@
 
 #if COLI_AMX
 
-
 #ifndef ARCH_GET_XCOMP_PERM
 #define ARCH_GET_XCOMP_PERM 0x1022
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #endif
 enum { QA_XTILEDATA = 18 };
 
-/* Whether int4 calls of more than one token may use AMX: the CPU has it,
+/* Whether calls of more than one token may use AMX: the CPU has it,
  * COLIBRI_KERNEL_AMX is not 0, and the OS grants this process the tile
- * state (asked once; Linux keeps the grant per process). */
-int coli_ffn_int4_amx_usable(void) {
+ * state (asked the first time; Linux keeps the grant per process). */
+int coli_ffn_amx_usable(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return 0;
     const char *env = getenv("COLIBRI_KERNEL_AMX");
@@ -41,17 +44,31 @@ int coli_ffn_int4_amx_usable(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, QA_XTILEDATA) == 0;
 }
 
-/* Every tile 16 rows of 64 bytes. */
-AMX static void qa_configure(void) {
-    uint8_t cfg[64];
-    memset(cfg, 0, sizeof cfg);
-    cfg[0] = 1;  /* palette 1 */
-    for (int i = 0; i < 8; i++) {
-        uint16_t colsb = 64;
-        memcpy(cfg + 16 + 2 * i, &colsb, sizeof colsb);
-        cfg[48 + i] = QA_ROWS;
-    }
-    _tile_loadconfig(cfg);
+/* The tile configuration: palette 1, tiles 0-7 of 16 rows of 64 bytes
+ * (colsb, little-endian 16-bit, at 16 + 2i; rows at 48 + i). Constant
+ * data, not built on the stack: GCC's _tile_loadconfig tells the compiler
+ * it reads 8 bytes, so the stores of a built one may be dropped. */
+static const uint8_t QA_CONFIG[64] __attribute__((aligned(64))) = {
+    1,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,
+    64, 0,  64, 0,  64, 0,  64, 0,  64, 0,  64, 0,  64, 0,  64, 0,
+    0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,
+    16, 16, 16, 16, 16, 16, 16, 16, 0,  0,  0,  0,  0,  0,  0,  0};
+
+AMX static void qa_configure(void) { _tile_loadconfig(QA_CONFIG); }
+
+/* A panel of rows [p0, p1): the first n rows' bytes (past p1, the first
+ * row again, computed and not stored). */
+static void qa_panel_rows(const uint8_t *data, int64_t row_bytes, int64_t p0, int64_t p1, int n,
+                          const uint8_t **rows) {
+    for (int m = 0; m < n; m++) rows[m] = data + (p0 + m < p1 ? p0 + m : p0) * row_bytes;
+}
+
+/* Group g of I16_ROWS rows of the panel [p0, p1): its first row (past p1,
+ * the panel's first) and how many of its rows there are. */
+static int64_t qa_group(int64_t p0, int64_t p1, int g, int *nr) {
+    int64_t og = p0 + I16_ROWS * g < p1 ? p0 + I16_ROWS * g : p0;
+    *nr = p1 - og < I16_ROWS ? (int)(p1 - og) : I16_ROWS;
+    return og;
 }
 
 /* Elements 0 .. 15 of two vectors of 16-bit integers, interleaved. */
@@ -134,15 +151,16 @@ AMX INLINE void qa_multiply(const uint8_t *a, int32_t *p) {
 
 /* Rows [n0, n1) for tokens tokens (in: qi_prepare's and the chunk tables;
  * b: qa_inputs' tiles; ps: QA_PANEL * 4 groups of rows' params; acc:
- * QA_PANEL * 1 KiB floats; w: 8 KiB: two weight tiles' pairs, two sums'
- * pairs). Panel after panel of rows, chunk after chunk, the panel's tiles
- * of rows one after another, software-pipelined: one is decoded and the
- * one before it added while a tile multiplies (a tile load waits for the
- * stores before it to reach L1). */
+ * QA_PANEL * 1 KiB floats; w: QA_BUFS weight tiles' pairs, then QA_BUFS
+ * sums' pairs, 2 KiB each). Panel after panel of rows, chunk after chunk,
+ * the panel's tiles of rows one after another, software-pipelined: a tile
+ * is decoded QA_LAG steps before it multiplies and its sums added QA_LAG
+ * steps after (a tile load waits for the stores before it to reach L1,
+ * and vector loads for the tile stores). */
 AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
                         const uint8_t *b, float *ps, float *acc, uint8_t *w) {
     enum { PR = QA_PANEL * QA_ROWS, GROUPS = PR / I16_ROWS, SUMS = 2 * QA_ROWS * QA_TOKENS };
-    int32_t *sums = (int32_t *)(w + 4 * QA_TILE);
+    int32_t *sums = (int32_t *)(w + QA_BUFS * 2 * QA_TILE);
     const float *s[GROUPS];
     const int32_t *z[GROUPS];
     for (int g = 0; g < GROUPS; g++) {
@@ -153,41 +171,41 @@ AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
     for (int64_t p0 = n0; p0 < n1; p0 += PR) {
         const int64_t p1 = p0 + PR < n1 ? p0 + PR : n1, tiles = (p1 - p0 + QA_ROWS - 1) / QA_ROWS;
         const uint8_t *rows[PR];
-        for (int m = 0; m < PR; m++) rows[m] = q->m->data + (p0 + m < p1 ? p0 + m : p0) * q->row_bytes;
-        for (int g = 0; g < GROUPS; g++) {
-            int64_t og = p0 + I16_ROWS * g < p1 ? p0 + I16_ROWS * g : p0;
-            qs_params(q, og, p1 - og < I16_ROWS ? (int)(p1 - og) : I16_ROWS, ps + g * 2 * q->st);
+        qa_panel_rows(q->m->data, q->row_bytes, p0, p1, PR, rows);
+        for (int g = 0, nr; g < GROUPS; g++) {
+            int64_t og = qa_group(p0, p1, g, &nr);
+            qs_params(q, og, nr, ps + g * 2 * q->st);
         }
         for (int t0 = 0; t0 < task->tokens; t0 += QA_TOKENS) {
             const int nt = task->tokens - t0 < QA_TOKENS ? task->tokens - t0 : QA_TOKENS, first = t0 == 0;
             const __mmask16 mine = (__mmask16)((1u << nt) - 1);
             const int64_t steps = q->chunks * tiles;  /* (chunk, tile of rows) after one another */
             memset(acc, 0, sizeof(float) * (size_t)(tiles * QA_ROWS * QA_TOKENS));
-            qa_decode(q, rows, z, 0, first, w);
-            for (int64_t k = 0; k < steps; k++) {
-                int64_t c = k / tiles, i = k % tiles;
-                if (i == 0) {
-                    const uint8_t *bt = b + ((t0 / QA_TOKENS) * q->chunks + c) * 4 * QA_TILE;
-                    _tile_loadd(4, bt, 64);
-                    _tile_loadd(5, bt + QA_TILE, 64);
-                    _tile_loadd(6, bt + 2 * QA_TILE, 64);
-                    _tile_loadd(7, bt + 3 * QA_TILE, 64);
+            for (int64_t k = 0; k < QA_LAG && k < steps; k++)
+                qa_decode(q, rows + (k % tiles) * QA_ROWS, z + (k % tiles) * (QA_ROWS / I16_ROWS), k / tiles, first,
+                          w + (k % QA_BUFS) * 2 * QA_TILE);
+            for (int64_t k = 0; k < steps + QA_LAG; k++) {
+                if (k < steps) {
+                    if (k % tiles == 0) {
+                        const uint8_t *bt = b + ((t0 / QA_TOKENS) * q->chunks + k / tiles) * 4 * QA_TILE;
+                        _tile_loadd(4, bt, 64);
+                        _tile_loadd(5, bt + QA_TILE, 64);
+                        _tile_loadd(6, bt + 2 * QA_TILE, 64);
+                        _tile_loadd(7, bt + 3 * QA_TILE, 64);
+                    }
+                    qa_multiply(w + (k % QA_BUFS) * 2 * QA_TILE, sums + (k % QA_BUFS) * SUMS);
                 }
-                qa_multiply(w + (k % 2) * 2 * QA_TILE, sums + (k % 2) * SUMS);
-                if (k + 1 < steps) {
-                    int64_t in1 = (k + 1) % tiles;
-                    qa_decode(q, rows + in1 * QA_ROWS, z + in1 * (QA_ROWS / I16_ROWS), (k + 1) / tiles, first,
-                              w + ((k + 1) % 2) * 2 * QA_TILE);
-                }
-                if (k > 0) {
-                    int64_t cp = (k - 1) / tiles, ip = (k - 1) % tiles;
-                    qa_add(sums + ((k - 1) % 2) * SUMS, s + ip * (QA_ROWS / I16_ROWS), cp,
-                           _mm512_maskz_loadu_ps(mine, in->sxt + cp * in->tp + t0), acc + ip * QA_ROWS * QA_TOKENS);
+                int64_t kd = k + QA_LAG;  /* decoded QA_LAG steps ahead */
+                if (kd < steps)
+                    qa_decode(q, rows + (kd % tiles) * QA_ROWS, z + (kd % tiles) * (QA_ROWS / I16_ROWS), kd / tiles,
+                              first, w + (kd % QA_BUFS) * 2 * QA_TILE);
+                int64_t ka = k - QA_LAG;  /* added QA_LAG steps behind */
+                if (ka >= 0) {
+                    int64_t ca = ka / tiles, ia = ka % tiles;
+                    qa_add(sums + (ka % QA_BUFS) * SUMS, s + ia * (QA_ROWS / I16_ROWS), ca,
+                           _mm512_maskz_loadu_ps(mine, in->sxt + ca * in->tp + t0), acc + ia * QA_ROWS * QA_TOKENS);
                 }
             }
-            qa_add(sums + ((steps - 1) % 2) * SUMS, s + (tiles - 1) * (QA_ROWS / I16_ROWS), q->chunks - 1,
-                   _mm512_maskz_loadu_ps(mine, in->sxt + (q->chunks - 1) * in->tp + t0),
-                   acc + (tiles - 1) * QA_ROWS * QA_TOKENS);
             for (int64_t i = 0; i < tiles; i++) {  /* rows by token: a vector store per token */
                 float by_token[QA_TOKENS * QA_ROWS];
                 int64_t left = p1 - p0 - QA_ROWS * i;
@@ -203,6 +221,136 @@ AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
     _tile_release();
 }
 
+/* ---- MXFP4: A's 16 rows are 8 rows' two half blocks (row 2m holds row
+ * m's first half block in columns 0-31, zeros in 32-63; row 2m + 1 its
+ * second in 32-63), so that C[2m + h][n] is half h's sum: twice the e2m1
+ * values are signed bytes (looked up with vpshufb). Columns: the half's
+ * even inputs, then its odd ones; in EO64 order those are the block's
+ * quantised inputs 0-15, 32-47 (first half), 16-31, 48-63 (second). */
+
+/* Twice the e2m1 value of each nibble, a vpshufb table in each 128 bits. */
+static const int8_t MA_E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* The quantised inputs of a block in A's column order (vpermi2w of its two
+ * halves): columns 0-31, then 32-63. */
+static const int16_t MA_COLUMNS[64] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 32, 33, 34, 35, 36, 37,
+    38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27,
+    28, 29, 30, 31, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+
+/* The inputs' tiles: per block of 16 tokens and block of inputs, two 1 KiB
+ * tiles (h, l), as qa_inputs' for int4. */
+AMX static void ma_inputs(const MiInfo *d, const int16_t *xq, int tokens, uint8_t *b) {
+    const __m512i first = _mm512_loadu_si512(MA_COLUMNS), second = _mm512_loadu_si512(MA_COLUMNS + 32);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(64));
+    const int blocks = (tokens + QA_TOKENS - 1) / QA_TOKENS;
+    memset(b, 0, (size_t)blocks * (size_t)d->blocks * 2 * QA_TILE);
+    for (int t = 0; t < tokens; t++)
+        for (int64_t u = 0; u < d->blocks; u++) {
+            const int16_t *x = xq + t * d->ldq + 64 * u;
+            uint8_t *tiles = b + ((t / QA_TOKENS) * d->blocks + u) * 2 * QA_TILE + 4 * (t % QA_TOKENS);
+            __m512i lo = _mm512_loadu_si512(x), hi = _mm512_loadu_si512(x + 32);
+            __m512i cols[2] = {_mm512_permutex2var_epi16(lo, first, hi), _mm512_permutex2var_epi16(lo, second, hi)};
+            __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(cols[0], 8))),
+                                           _mm512_cvtepi16_epi8(_mm512_srai_epi16(cols[1], 8)), 1);
+            __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(cols[0])),
+                                           _mm512_cvtepi16_epi8(cols[1]), 1);
+            _mm512_i32scatter_epi32(tiles, rows, h, 1);
+            _mm512_i32scatter_epi32(tiles + QA_TILE, rows, l, 1);
+        }
+}
+
+/* Block u of the 8 rows at rows as A at a (its other halves stay zero). */
+AMX INLINE void ma_decode(const MiInfo *d, const uint8_t *const *rows, int64_t u, uint8_t *a) {
+    const __m512i mask = _mm512_set1_epi8(0x0f), tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MA_E2M1_X2));
+    _Pragma("GCC unroll 8") for (int m = 0; m < MA_ROWS; m++) {
+        __m256i v = mi_bytes(rows[m], u, u < d->whole);
+        __m512i n = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
+        /* 128-bit blocks: low nibbles 0-15, 16-31, high 0-15, 16-31 -> halves in order */
+        __m512i w = _mm512_shuffle_i64x2(_mm512_shuffle_epi8(tab, n), _mm512_shuffle_epi8(tab, n), _MM_SHUFFLE(3, 1, 2, 0));
+        _mm512_mask_storeu_epi8(a + 128 * m, (__mmask64)0xffffffffu, w);
+        _mm512_mask_storeu_epi8(a + 128 * m + 64, ~(__mmask64)0xffffffffu, w);
+    }
+}
+
+/* Block u's sums of a tile of rows (h and l tiles at p) into its acc (8
+ * rows' vectors of 16 tokens): c = fma(float(P), S_h * 2^-k, c), the first
+ * half then the second (S: the two groups of rows' scales). */
+AMX INLINE void ma_add(const int32_t *p, const float *const *S, int64_t u, __m512 x, float *acc) {
+    _Pragma("GCC unroll 8") for (int m = 0; m < MA_ROWS; m++) {
+        __m512 c = _mm512_loadu_ps(acc + 16 * m);
+        for (int h = 0; h < 2; h++) {
+            int row = 2 * m + h;
+            __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(p + 16 * row), 8),
+                                         _mm512_loadu_si512(p + QA_ROWS * QA_TOKENS + 16 * row));
+            __m512 sv = _mm512_set1_ps(S[m / I16_ROWS][4 * (2 * u + h) + m % I16_ROWS]);
+            c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv, x), c);
+        }
+        _mm512_storeu_ps(acc + 16 * m, c);
+    }
+}
+
+/* Rows [n0, n1) for more than one token (as qa_rows: panels of QA_PANEL
+ * tiles of 8 rows, block after block, software-pipelined; S: their
+ * params, QA_PANEL * 2 groups of rows; w: QA_BUFS A tiles of 1 KiB, then
+ * QA_BUFS sums' pairs of 2 KiB). */
+AMX static void ma_rows(const MiInfo *d, int64_t n0, int64_t n1, const ColiFfnTask *task, const float *sxt,
+                        int64_t tp, const uint8_t *b, float *S, float *acc, uint8_t *w) {
+    enum { PR = QA_PANEL * MA_ROWS, GROUPS = PR / I16_ROWS, SUMS = 2 * QA_ROWS * QA_TOKENS };
+    int32_t *sums = (int32_t *)(w + QA_BUFS * QA_TILE);
+    const float *s[GROUPS];
+    for (int g = 0; g < GROUPS; g++) s[g] = S + g * d->st;
+    memset(w, 0, QA_BUFS * QA_TILE);  /* the A tiles' other halves */
+    qa_configure();
+    for (int64_t p0 = n0; p0 < n1; p0 += PR) {
+        const int64_t p1 = p0 + PR < n1 ? p0 + PR : n1, tiles = (p1 - p0 + MA_ROWS - 1) / MA_ROWS;
+        const uint8_t *rows[PR];
+        qa_panel_rows(d->m->data, d->row_bytes, p0, p1, PR, rows);
+        for (int g = 0, nr; g < GROUPS; g++) {
+            int64_t og = qa_group(p0, p1, g, &nr);
+            mi_params(d, og, nr, S + g * d->st);
+        }
+        for (int t0 = 0; t0 < task->tokens; t0 += QA_TOKENS) {
+            const int nt = task->tokens - t0 < QA_TOKENS ? task->tokens - t0 : QA_TOKENS;
+            const __mmask16 mine = (__mmask16)((1u << nt) - 1);
+            const int64_t steps = d->blocks * tiles;  /* (block, tile of rows) after one another */
+            memset(acc, 0, sizeof(float) * (size_t)(tiles * MA_ROWS * QA_TOKENS));
+            for (int64_t k = 0; k < QA_LAG && k < steps; k++)
+                ma_decode(d, rows + (k % tiles) * MA_ROWS, k / tiles, w + (k % QA_BUFS) * QA_TILE);
+            for (int64_t k = 0; k < steps + QA_LAG; k++) {
+                if (k < steps) {
+                    if (k % tiles == 0) {
+                        const uint8_t *bt = b + ((t0 / QA_TOKENS) * d->blocks + k / tiles) * 2 * QA_TILE;
+                        _tile_loadd(4, bt, 64);
+                        _tile_loadd(6, bt + QA_TILE, 64);
+                    }
+                    _tile_loadd(2, w + (k % QA_BUFS) * QA_TILE, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_dpbsud(1, 2, 6);
+                    _tile_stored(0, sums + (k % QA_BUFS) * SUMS, 64);
+                    _tile_stored(1, sums + (k % QA_BUFS) * SUMS + QA_ROWS * QA_TOKENS, 64);
+                }
+                int64_t kd = k + QA_LAG;
+                if (kd < steps) ma_decode(d, rows + (kd % tiles) * MA_ROWS, kd / tiles, w + (kd % QA_BUFS) * QA_TILE);
+                int64_t ka = k - QA_LAG;
+                if (ka >= 0) {
+                    int64_t ua = ka / tiles, ia = ka % tiles;
+                    ma_add(sums + (ka % QA_BUFS) * SUMS, s + ia * (MA_ROWS / I16_ROWS), ua,
+                           _mm512_maskz_loadu_ps(mine, sxt + ua * tp + t0), acc + ia * MA_ROWS * QA_TOKENS);
+                }
+            }
+            for (int64_t m = 0; m < p1 - p0; m++)
+                for (int t = 0; t < nt; t++) task->dst[(t0 + t) * task->ld_dst + p0 + m] = acc[16 * m + t];
+        }
+    }
+    _tile_release();
+}
+
 #else
-int coli_ffn_int4_amx_usable(void) { return 0; }
+int coli_ffn_amx_usable(void) { return 0; }
 #endif /* COLI_AMX */
+
+#undef I16_ENTRIES
+#undef VNNI

@@ -118,6 +118,32 @@ VNNI static void i16_quantise(const uint16_t *x, int64_t part, int ns, int64_t n
         name##_rows(m, n0, n1, task, 2);                                                     \
     }
 
+/* Four rows' lane sums p[r] to units: lane 4j + r holds lanes 4j .. 4j + 3
+ * of p[r] (row r's quarter j). */
+VNNI INLINE __m512i i16_quarters4(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
+    __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+    __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+/* Lanes 4i .. 4i + 3 take element i of four (vpermd indices: 4i + r lanes
+ * of a token of four, or of a quarter). */
+static const int32_t I16_FOURS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+/* The stride of a table of per-token values of each block of inputs,
+ * block after block (tokens rounded up to 4, plus 4: a vector of four from
+ * any token on, zero past them). */
+static int64_t i16_table_stride(int tokens) { return coli_ffn_round_up(tokens, 4) + 4; }
+
+/* AMX tiles (ffn_x86_amx.h): 16 rows of 64 bytes, 16 tokens a tile;
+ * QA_PANEL tiles of rows share each block's input tiles (loaded for every
+ * tile of rows, the 4 KiB from L2 took longer than the products). */
+enum { QA_ROWS = 16, QA_TOKENS = 16, QA_TILE = 1024, QA_PANEL = 2 };
+/* The pipeline of the AMX loops: a tile is decoded QA_LAG steps before it
+ * multiplies and its sums are added QA_LAG steps after, in QA_BUFS
+ * buffers of each. */
+enum { QA_LAG = 2, QA_BUFS = QA_LAG + 1 };
+
 /* The next block of tokens of a streaming kernel (4, 2 or 1 of the left
  * ones), and the index of its function (0, 1, 2 for 1, 2, 4). */
 static int i16_block(int left, int *index) {

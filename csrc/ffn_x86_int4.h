@@ -198,15 +198,7 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
             (N)[2], _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI) + 64)),                     \
         (N)[3], _mm512_loadu_si512(xq + (t) * ldq + 128 * (CI) + 96))
 
-/* Four rows' lane sums p[r] to units: lane 4j + r holds lanes 4j .. 4j + 3
- * of p[r] (row r's quarter j). */
-VNNI INLINE __m512i qi_quarters4(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
-    __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
-    __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-}
-
-/* Four tokens' quarters (qi_quarters4's) to chunks: lane 4t + r holds
+/* Four tokens' quarters (i16_quarters4's) to chunks: lane 4t + r holds
  * token t's sum of row r. */
 VNNI INLINE __m512i qi_chunks4(__m512i t0, __m512i t1, __m512i t2, __m512i t3) {
     __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
@@ -223,17 +215,13 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
     return q->quarters ? (v[r] + v[4 + r]) + (v[8 + r] + v[12 + r]) : v[r];
 }
 
-/* Lanes 4i .. 4i + 3 take element i of four (0 .. 3 in 4i + r lanes: a
- * token's of four, or a quarter's). */
-static const int32_t QI_FOURS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
-
 /* One token, four rows side by side: chunk CI. */
 #define QI_CHUNK1(CI, WHOLE)                                                                 \
     do {                                                                                     \
         __m512i n[I16_ROWS][4], p[I16_ROWS];                                                  \
         UNROLL for (int r = 0; r < I16_ROWS; r++) QI_DECODE(n[r], r, CI, WHOLE);              \
         UNROLL for (int r = 0; r < I16_ROWS; r++) p[r] = QI_SUM(n[r], 0, CI);                 \
-        __m512i u_ = qi_quarters4(p[0], p[1], p[2], p[3]);                                   \
+        __m512i u_ = i16_quarters4(p[0], p[1], p[2], p[3]);                                   \
         __m512 x_ = _mm512_set1_ps(sx[CI]);                                                  \
         if (QUARTERS_) {                                                                     \
             __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(             \
@@ -257,7 +245,7 @@ static const int32_t QI_FOURS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3
     VNNI static void qi_stream_##QUARTERS(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, \
                                           const float *sx, const int32_t *A, const float *ps, float *dst) { \
         enum { QUARTERS_ = QUARTERS, ldq = 0 };                                              \
-        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(QI_FOURS);     \
+        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(I16_FOURS);     \
         const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);                           \
         const int32_t *z = (const int32_t *)(ps + q->st);                                    \
         const uint8_t *rows[I16_ROWS];                                                        \
@@ -287,7 +275,7 @@ QI_STREAM(1)
             __m512 s_ = _mm512_loadu_ps(ps + 16 * (CI));                                     \
             __m512i z_ = _mm512_loadu_si512(z + 16 * (CI));                                  \
             UNROLL for (int t = 0; t < TB_; t++) {                                           \
-                __m512i u_ = qi_quarters4(QI_SUM(n[0], t, CI), QI_SUM(n[1], t, CI),           \
+                __m512i u_ = i16_quarters4(QI_SUM(n[0], t, CI), QI_SUM(n[1], t, CI),           \
                                           QI_SUM(n[2], t, CI), QI_SUM(n[3], t, CI));          \
                 __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(_mm_loadu_si128( \
                                                                  (const __m128i *)(A + t * q->al + 4 * (CI))))); \
@@ -298,7 +286,7 @@ QI_STREAM(1)
         } else {                                                                             \
             __m512i u_[4];                                                                   \
             UNROLL for (int t = 0; t < 4; t++)                                               \
-                u_[t] = t < TB_ ? qi_quarters4(QI_SUM(n[0], t, CI), QI_SUM(n[1], t, CI),      \
+                u_[t] = t < TB_ ? i16_quarters4(QI_SUM(n[0], t, CI), QI_SUM(n[1], t, CI),      \
                                                QI_SUM(n[2], t, CI), QI_SUM(n[3], t, CI))      \
                                 : _mm512_setzero_si512();                                    \
             __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(             \
@@ -323,7 +311,7 @@ QI_STREAM(1)
         int64_t ldq, const float *sx, const int32_t *A, const float *sxt, const int32_t *at, \
         int64_t tp, const float *ps, float *acc) {                                           \
         enum { TB_ = TB, QUARTERS_ = QUARTERS, ahead = 0 };                                  \
-        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(QI_FOURS);     \
+        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(I16_FOURS);     \
         const int32_t *z = (const int32_t *)(ps + q->st);                                    \
         const uint8_t *rows[I16_ROWS];                                                        \
         (void)sxt, (void)at, (void)tp, (void)A, (void)sx;                                    \
@@ -370,10 +358,6 @@ static int64_t qi_panel_rows(const QsInfo *q, int64_t n) {
     n = coli_ffn_round_up(n, I16_ROWS);
     return rp < n ? rp : n;
 }
-
-/* The chunk tables of the tiles: chunk after chunk, every token's (tp:
- * tokens rounded up to 4, plus 4, zero past them). */
-static int64_t qi_table_stride(int tokens) { return coli_ffn_round_up(tokens, 4) + 4; }
 
 /* The tables of the tokens' chunk scales sx (kl per token) and, without
  * quarters, chunk sums A (al per token): chunk after chunk, tp apart. */
@@ -474,9 +458,7 @@ static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
 }
 
 /* More than one token with AMX (ffn_x86_amx.h), for groups of a multiple of
- * 128: 16 rows and up to 16 tokens a tile; QA_PANEL tiles of rows share
- * each chunk's input tiles. */
-enum { QA_ROWS = 16, QA_TOKENS = 16, QA_TILE = 1024 /* bytes of a tile: 16 rows of 64 */, QA_PANEL = 2 };
+ * 128: 16 rows and up to 16 tokens a tile. */
 #if COLI_AMX
 AMX static void qa_inputs(const QsInfo *q, const int16_t *xq, int64_t ldq, int tokens, uint8_t *b);
 AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
@@ -487,7 +469,7 @@ AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
  * the tokens' quantised inputs, their chunk scales and unit sums, the
  * params of a panel of rows (of QA_PANEL tiles of rows at least), the sums
  * of its tiles (for AMX, 16 floats a row at least), the chunk tables; with
- * AMX, the inputs' tiles and 8 KiB for two chunks' weight and sum tiles. */
+ * AMX, the inputs' tiles and QA_BUFS chunks' weight and sum tiles. */
 typedef struct {
     size_t sx, A, ps, acc, sxt, at, tiles, amx, total;
 } QsScratch;
@@ -502,10 +484,10 @@ static QsScratch qs_layout(const QsInfo *q, int64_t n0, int64_t n1, int tokens) 
     s.ps = s.A + sizeof(int32_t) * (size_t)(tokens * q->al);
     s.acc = s.ps + sizeof(float) * (size_t)(groups * 2 * q->st);
     s.sxt = s.acc + sizeof(float) * (size_t)(groups * per_group);
-    s.at = s.sxt + sizeof(float) * (size_t)(q->chunks * qi_table_stride(tokens));
-    s.tiles = (s.at + sizeof(int32_t) * (size_t)(q->chunks * qi_table_stride(tokens)) + 63) / 64 * 64;
+    s.at = s.sxt + sizeof(float) * (size_t)(q->chunks * i16_table_stride(tokens));
+    s.tiles = (s.at + sizeof(int32_t) * (size_t)(q->chunks * i16_table_stride(tokens)) + 63) / 64 * 64;
     s.amx = s.tiles + (size_t)((tokens + QA_TOKENS - 1) / QA_TOKENS * q->chunks) * 4 * QA_TILE;
-    s.total = s.amx + 8 * QA_TILE;
+    s.total = s.amx + QA_BUFS * 4 * QA_TILE;
     return s;
 }
 
@@ -528,10 +510,10 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
     qi_prepare(&q, (const uint16_t *)task->x, task->ldx, part, ns, task->tokens, xq, sx, A);
     if (task->tokens > 1) {
         QiInputs in = {xq, ldq, sx, A, (float *)(base + at.sxt), (int32_t *)(base + at.at),
-                       qi_table_stride(task->tokens)};
+                       i16_table_stride(task->tokens)};
         qi_fill_tables(&q, sx, A, task->tokens, (float *)(base + at.sxt), (int32_t *)(base + at.at), in.tp);
 #if COLI_AMX
-        if (!q.quarters && coli_ffn_int4_amx_usable()) {
+        if (!q.quarters && coli_ffn_amx_usable()) {
             qa_inputs(&q, xq, ldq, task->tokens, base + at.tiles);
             qa_rows(&q, n0, n1, task, &in, base + at.tiles, ps, acc, base + at.amx);
             return;

@@ -286,18 +286,20 @@ def test_wide_matrices_and_many_tokens(fmt: str, hidden: int, inter: int,
                     assert got[p].tobytes() == alone[0].tobytes(), (dtype, p)
 
 
-@pytest.mark.skipif(not kernels.int4_amx(), reason="AMX tiles: not on this CPU or OS")
-@pytest.mark.parametrize("hidden,inter,options", [
-    (1152, 640, {"group": 128}), (1152, 640, {"group": 128, "symmetric": False}),
-    (1280, 768, {"group": 256, "symmetric": False})])
-def test_int4_amx_tiles_give_the_vector_kernels_bits(hidden: int, inter: int, options: dict[str, Any],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """int4 in bfloat16 with AMX tiles (more than one token) and without
-    (COLIBRI_KERNEL_AMX=0: the AVX-512 integer tiles): the same bits, for
-    batches of one tile of tokens, more than one and a partial one, on
-    threads that split the rows mid-tile."""
+@pytest.mark.skipif(not kernels.amx_tiles(), reason="AMX tiles: not on this CPU or OS")
+@pytest.mark.parametrize("fmt,hidden,inter,options", [
+    ("int4", 1152, 640, {"group": 128}), ("int4", 1152, 640, {"group": 128, "symmetric": False}),
+    ("int4", 1280, 768, {"group": 256, "symmetric": False}),
+    # MXFP4 ending with a half block (1056 = 16 * 64 + 32) and rows in tiles of 8
+    ("mxfp4", 1056, 672, {})])
+def test_amx_tiles_give_the_vector_kernels_bits(fmt: str, hidden: int, inter: int, options: dict[str, Any],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 and MXFP4 in bfloat16 with AMX tiles (more than one token) and
+    without (COLIBRI_KERNEL_AMX=0: the AVX-512 integer kernels): the same
+    bits, for batches of one tile of tokens, more than one and a partial
+    one, on threads that split the rows mid-tile."""
     with tempfile.TemporaryDirectory() as tmp:
-        write_format_checkpoint(tmp, "int4", hidden=hidden, intermediate=inter, experts=1, seed=8, **options)
+        write_format_checkpoint(tmp, fmt, hidden=hidden, intermediate=inter, experts=1, seed=8, **options)
         for ex in _leased(Path(tmp), expert=0):
             weights = colibri.dequantize(ex)
             for tokens in (2, 16, 37):
@@ -306,7 +308,7 @@ def test_int4_amx_tiles_give_the_vector_kernels_bits(hidden: int, inter: int, op
                     monkeypatch.delenv("COLIBRI_KERNEL_AMX", raising=False)
                     tiles = kernels.expert_ffn(ex, x, isa="avx512", threads=threads)
                     monkeypatch.setenv("COLIBRI_KERNEL_AMX", "0")
-                    assert not kernels.int4_amx()
+                    assert not kernels.amx_tiles()
                     vectors = kernels.expert_ffn(ex, x, isa="avx512", threads=threads)
                     assert tiles.tobytes() == vectors.tobytes(), (tokens, threads)
                 assert relative_error(tiles, reference(weights, x, "silu")) <= BF16_BOUND
