@@ -97,7 +97,7 @@ def set_isa(name: str | None) -> None:
 
 def amx_tiles() -> bool:
     """Whether bfloat16 calls of more than one token of compressed-tensors
-    int4 (groups of a multiple of 128) and MXFP4 use AMX tiles on the
+    int4 (groups of a multiple of 32) and MXFP4 use AMX tiles on the
     avx512 path here: the CPU has AMX-TILE and AMX-INT8, the OS grants the
     tile state, and the ``COLIBRI_KERNEL_AMX`` environment variable is not
     ``"0"``. The results are the same bits either way."""

@@ -149,7 +149,7 @@ int coli_ffn_isa_supported(int isa);
  * or one this CPU cannot run. */
 int coli_ffn_isa_default(char *err, size_t err_len);
 /* 1 if bfloat16 calls of more than one token of compressed-tensors int4
- * (groups of a multiple of 128) and MXFP4 use AMX tiles on the avx512
+ * (groups of a multiple of 32) and MXFP4 use AMX tiles on the avx512
  * path here: the CPU has AMX-TILE and AMX-INT8, the OS grants the tile
  * state, and the COLIBRI_KERNEL_AMX environment variable is not "0". Same
  * bits either way. */

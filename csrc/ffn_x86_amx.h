@@ -1,14 +1,15 @@
 /*
  * ffn_x86_amx.h (private, included once by ffn_x86.c after
  * ffn_x86_int4.h and ffn_x86_mxfp4.h): compressed-tensors int4 (groups of
- * a multiple of 128) and MXFP4 in bfloat16 calls of more than one token
+ * a multiple of 32) and MXFP4 in bfloat16 calls of more than one token
  * with AMX tiles, on CPUs with AMX-TILE and AMX-INT8 where the OS grants
  * the tile state. Their sums are the vector kernels' (see ffn_x86_int4.h
  * and ffn_x86_mxfp4.h): the same exact integers per chunk or half block,
  * the same float operations after them, so the same bits as a token
  * alone.
  *
- * int4 below; MXFP4 at the end.
+ * int4 with a scale per chunk of 128 inputs below, then int4 with a scale
+ * per quarter of one, then MXFP4.
  *
  * A tile product C[m][n] += sum over k of A[m][k] B[k / 4][4n + k % 4]
  * multiplies 8-bit integers. A: 16 rows' nibbles of a chunk less their
@@ -71,21 +72,46 @@ static int64_t qa_group(int64_t p0, int64_t p1, int g, int *nr) {
     return og;
 }
 
+/* The scales and zero points of n groups of rows' params at ps. */
+static void qa_int4_views(const QsInfo *q, const float *ps, int n, const float **s, const int32_t **z) {
+    for (int g = 0; g < n; g++) {
+        s[g] = ps + g * 2 * q->st;
+        z[g] = (const int32_t *)(s[g] + q->st);
+    }
+}
+
+/* A panel of int4 rows [p0, p1): its first n rows' bytes, and the params
+ * of its n / I16_ROWS groups of rows at ps (2 st floats each). */
+static void qa_int4_panel(const QsInfo *q, int64_t p0, int64_t p1, int n, const uint8_t **rows, float *ps) {
+    qa_panel_rows(q->m->data, q->row_bytes, p0, p1, n, rows);
+    for (int g = 0, nr; g < n / I16_ROWS; g++) {
+        int64_t og = qa_group(p0, p1, g, &nr);
+        qs_params(q, og, nr, ps + g * 2 * q->st);
+    }
+}
+
 /* Elements 0 .. 15 of two vectors of 16-bit integers, interleaved. */
 static const int16_t QA_PAIRS[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
 
-/* The inputs' tiles: per block of 16 tokens and chunk, four 1 KiB tiles
- * (h even, h odd, l even, l odd); row kk holds token n's four inputs of
- * A's columns 4kk .. 4kk + 3 at 4n. A's low-nibble column k is input 2k
- * of the chunk, its high-nibble column input 2k + 1; in Q128 order input
- * 4i + s is at 32s + i, so the even columns take vectors 0 and 2, the odd
- * ones 1 and 3, element pairs interleaved. Tokens past the call are
- * zero. */
+/* The inputs' tiles: per block of 16 tokens and chunk, 4 KiB: A's even
+ * columns' h, its odd columns' h, then the same of l. A's low-nibble
+ * column k is input 2k of the chunk, its high-nibble column input 2k + 1;
+ * in Q128 order input 4i + s is at 32s + i, so the even columns take
+ * vectors 0 and 2, the odd ones 1 and 3, element pairs interleaved. Row kk
+ * of a tile holds token n's four inputs of columns 4kk .. 4kk + 3 at 4n.
+ * Chunks of 128 (K = 64 tiles): each part a 1 KiB tile of 16 rows. With
+ * quarters (K = 32: a quarter's 16 even and 16 odd columns), the h and the
+ * l of quarter j are 8-row tiles: rows 4j .. 4j + 3 of the even part,
+ * then of the odd part. Tokens past the call are zero. */
 AMX static void qa_inputs(const QsInfo *q, const int16_t *xq, int64_t ldq, int tokens, uint8_t *b) {
     const __m512i first = _mm512_loadu_si512(QA_PAIRS), second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(64));
+    const __m512i kk = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i by_quarter = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(kk, 2), 9),
+                                                _mm512_slli_epi32(_mm512_and_si512(kk, _mm512_set1_epi32(3)), 6));
+    const __m512i rows[2] = {q->quarters ? by_quarter : _mm512_slli_epi32(kk, 6),
+                             q->quarters ? _mm512_add_epi32(by_quarter, _mm512_set1_epi32(256))
+                                         : _mm512_add_epi32(_mm512_slli_epi32(kk, 6), _mm512_set1_epi32(QA_TILE))};
     const int blocks = (tokens + QA_TOKENS - 1) / QA_TOKENS;
     memset(b, 0, (size_t)blocks * (size_t)q->chunks * 4 * QA_TILE);
     for (int t = 0; t < tokens; t++)
@@ -99,8 +125,8 @@ AMX static void qa_inputs(const QsInfo *q, const int16_t *xq, int64_t ldq, int t
                                                _mm512_cvtepi16_epi8(_mm512_srai_epi16(pairs[1], 8)), 1);
                 __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(pairs[0])),
                                                _mm512_cvtepi16_epi8(pairs[1]), 1);
-                _mm512_i32scatter_epi32(tiles + odd * QA_TILE, rows, h, 1);
-                _mm512_i32scatter_epi32(tiles + (2 + odd) * QA_TILE, rows, l, 1);
+                _mm512_i32scatter_epi32(tiles, rows[odd], h, 1);
+                _mm512_i32scatter_epi32(tiles + 2 * QA_TILE, rows[odd], l, 1);
             }
         }
 }
@@ -163,19 +189,12 @@ AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
     int32_t *sums = (int32_t *)(w + QA_BUFS * 2 * QA_TILE);
     const float *s[GROUPS];
     const int32_t *z[GROUPS];
-    for (int g = 0; g < GROUPS; g++) {
-        s[g] = ps + g * 2 * q->st;
-        z[g] = (const int32_t *)(s[g] + q->st);
-    }
+    qa_int4_views(q, ps, GROUPS, s, z);
     qa_configure();
     for (int64_t p0 = n0; p0 < n1; p0 += PR) {
         const int64_t p1 = p0 + PR < n1 ? p0 + PR : n1, tiles = (p1 - p0 + QA_ROWS - 1) / QA_ROWS;
         const uint8_t *rows[PR];
-        qa_panel_rows(q->m->data, q->row_bytes, p0, p1, PR, rows);
-        for (int g = 0, nr; g < GROUPS; g++) {
-            int64_t og = qa_group(p0, p1, g, &nr);
-            qs_params(q, og, nr, ps + g * 2 * q->st);
-        }
+        qa_int4_panel(q, p0, p1, PR, rows, ps);
         for (int t0 = 0; t0 < task->tokens; t0 += QA_TOKENS) {
             const int nt = task->tokens - t0 < QA_TOKENS ? task->tokens - t0 : QA_TOKENS, first = t0 == 0;
             const __mmask16 mine = (__mmask16)((1u << nt) - 1);
@@ -216,6 +235,109 @@ AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
                     _mm512_mask_storeu_ps(task->dst + (t0 + t) * task->ld_dst + p0 + QA_ROWS * i, rows_left,
                                           _mm512_loadu_ps(by_token + QA_ROWS * t));
             }
+        }
+    }
+    _tile_release();
+}
+
+/* ---- int4 with quarters (groups of 32, 64, 96, ...: a scale per 32
+ * inputs): K = 32 tiles, one per quarter: A 16 rows of 32 bytes (the
+ * quarter's low nibbles, then its high ones, less their zero point), B 8
+ * rows, C a quarter's sums; per (row, token) the four quarter positions'
+ * sums a_j. */
+
+/* Tiles 0-1 the sums (16 x 64 bytes), 2 A (16 x 32), 4-5 B's h and l
+ * (8 x 64). */
+static const uint8_t QQ_CONFIG[64] __attribute__((aligned(64))) = {
+    1,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,
+    64, 0,  64, 0,  32, 0,  32, 0,  64, 0,  64, 0,  64, 0,  64, 0,
+    0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,
+    16, 16, 16, 16, 8,  8,  8,  8,  0,  0,  0,  0,  0,  0,  0,  0};
+
+/* Chunk c of the 16 rows as four A tiles at a: quarters 0 and 1 side by
+ * side in 16 rows of 64 bytes, then quarters 2 and 3 (a tile: 32 bytes
+ * of each row, loaded with a stride of 64). */
+AMX INLINE void qq_decode(const QsInfo *q, const uint8_t *const *rows, const int32_t *const *z, int64_t c,
+                          uint8_t *a) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
+        const uint8_t *src = rows[m] + 64 * c;
+        __m512i v = c < q->whole ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(q->tail, src);
+        __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        const int32_t *zr = z[m / I16_ROWS] + 16 * c + m % I16_ROWS;  /* quarter j's at 4j */
+        for (int h = 0; h < 2; h++) {
+            __m512i zb = _mm512_mask_blend_epi8((__mmask64)0xffffffff00000000ull, _mm512_set1_epi8((char)zr[8 * h]),
+                                                _mm512_set1_epi8((char)zr[8 * h + 4]));
+            __m512i w = _mm512_permutex2var_epi64(lo, h ? second : first, hi);
+            _mm512_storeu_si512(a + QA_TILE * h + 64 * m, _mm512_sub_epi8(w, zb));
+        }
+    }
+}
+
+/* Chunk c's quarter sums of a tile of rows (quarter j's h and l tiles at
+ * p + 2j KiB) into its acc (16 rows' four vectors of 16 tokens, quarter j's
+ * at 16 (4m + j)): a_j = fma(float(D), S_j * 2^-k, a_j). */
+AMX INLINE void qq_add(const int32_t *p, const float *const *s, int64_t c, __m512 x, float *acc) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)
+        _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
+            const int32_t *pj = p + 2 * QA_ROWS * QA_TOKENS * j + 16 * m;
+            __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(pj), 8),
+                                         _mm512_loadu_si512(pj + QA_ROWS * QA_TOKENS));
+            __m512 sv = _mm512_set1_ps(s[m / I16_ROWS][16 * c + 4 * j + m % I16_ROWS]);
+            float *a = acc + 16 * (4 * m + j);
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv, x), _mm512_loadu_ps(a)));
+        }
+}
+
+/* Rows [n0, n1) for more than one token, groups not a multiple of 128 (as
+ * qa_rows; ps: 4 groups of rows' params; acc: 4 KiB floats; w: QA_BUFS
+ * chunks' A tiles (2 KiB), then QA_BUFS chunks' sums (8 KiB)). One tile of
+ * rows at a time: a chunk's B tiles are reloaded per quarter. */
+AMX static void qq_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
+                        const uint8_t *b, float *ps, float *acc, uint8_t *w) {
+    enum { GROUPS = QA_ROWS / I16_ROWS, SUMS = 8 * QA_ROWS * QA_TOKENS };
+    int32_t *sums = (int32_t *)(w + QA_BUFS * 2 * QA_TILE);
+    const float *s[GROUPS];
+    const int32_t *z[GROUPS];
+    qa_int4_views(q, ps, GROUPS, s, z);
+    _tile_loadconfig(QQ_CONFIG);
+    for (int64_t p0 = n0; p0 < n1; p0 += QA_ROWS) {
+        const int64_t p1 = p0 + QA_ROWS < n1 ? p0 + QA_ROWS : n1;
+        const uint8_t *rows[QA_ROWS];
+        qa_int4_panel(q, p0, p1, QA_ROWS, rows, ps);
+        for (int t0 = 0; t0 < task->tokens; t0 += QA_TOKENS) {
+            const int nt = task->tokens - t0 < QA_TOKENS ? task->tokens - t0 : QA_TOKENS;
+            const __mmask16 mine = (__mmask16)((1u << nt) - 1);
+            memset(acc, 0, sizeof(float) * 4 * QA_ROWS * QA_TOKENS);
+            for (int64_t c = 0; c < QA_LAG && c < q->chunks; c++) qq_decode(q, rows, z, c, w + (c % QA_BUFS) * 2 * QA_TILE);
+            for (int64_t c = 0; c < q->chunks + QA_LAG; c++) {
+                if (c < q->chunks) {
+                    const uint8_t *a = w + (c % QA_BUFS) * 2 * QA_TILE;
+                    const uint8_t *bt = b + ((t0 / QA_TOKENS) * q->chunks + c) * 4 * QA_TILE;
+                    int32_t *p = sums + (c % QA_BUFS) * SUMS;
+                    for (int j = 0; j < 4; j++) {
+                        _tile_loadd(2, a + QA_TILE * (j / 2) + 32 * (j % 2), 64);
+                        _tile_loadd(4, bt + 512 * j, 64);
+                        _tile_loadd(5, bt + 2 * QA_TILE + 512 * j, 64);
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_dpbssd(0, 2, 4);
+                        _tile_dpbsud(1, 2, 5);
+                        _tile_stored(0, p + 2 * QA_ROWS * QA_TOKENS * j, 64);
+                        _tile_stored(1, p + 2 * QA_ROWS * QA_TOKENS * j + QA_ROWS * QA_TOKENS, 64);
+                    }
+                }
+                if (c + QA_LAG < q->chunks) qq_decode(q, rows, z, c + QA_LAG, w + ((c + QA_LAG) % QA_BUFS) * 2 * QA_TILE);
+                int64_t ca = c - QA_LAG;
+                if (ca >= 0)
+                    qq_add(sums + (ca % QA_BUFS) * SUMS, s, ca, _mm512_maskz_loadu_ps(mine, in->sxt + ca * in->tp + t0), acc);
+            }
+            for (int64_t m = 0; m < p1 - p0; m++)
+                for (int t = 0; t < nt; t++) {
+                    const float *a = acc + 16 * 4 * m + t;
+                    task->dst[(t0 + t) * task->ld_dst + p0 + m] = (a[0] + a[16]) + (a[32] + a[48]);
+                }
         }
     }
     _tile_release();

@@ -457,11 +457,13 @@ static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
             _mm_prefetch((const char *)m->zeros + 4 * (o / 8) * m->groups + b, _MM_HINT_T0);
 }
 
-/* More than one token with AMX (ffn_x86_amx.h), for groups of a multiple of
- * 128: 16 rows and up to 16 tokens a tile. */
+/* More than one token with AMX (ffn_x86_amx.h): 16 rows and up to 16
+ * tokens a tile, a chunk at a time (qa_rows) or a quarter (qq_rows). */
 #if COLI_AMX
 AMX static void qa_inputs(const QsInfo *q, const int16_t *xq, int64_t ldq, int tokens, uint8_t *b);
 AMX static void qa_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
+                        const uint8_t *b, float *ps, float *acc, uint8_t *w);
+AMX static void qq_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask *task, const QiInputs *in,
                         const uint8_t *b, float *ps, float *acc, uint8_t *w);
 #endif
 
@@ -477,7 +479,7 @@ typedef struct {
 static QsScratch qs_layout(const QsInfo *q, int64_t n0, int64_t n1, int tokens) {
     QsScratch s;
     int64_t groups = qi_panel_rows(q, n1 - n0) / I16_ROWS, nt = tokens < QI_TOKENS ? tokens : QI_TOKENS;
-    int64_t per_group = nt * I16_ROWS * q->aw > 64 ? nt * I16_ROWS * q->aw : 64;
+    int64_t per_group = nt * I16_ROWS * q->aw > 256 ? nt * I16_ROWS * q->aw : 256;  /* AMX: 16 floats a row (64 with quarters) */
     if (groups < QA_PANEL * QA_ROWS / I16_ROWS) groups = QA_PANEL * QA_ROWS / I16_ROWS;
     s.sx = sizeof(int16_t) * (size_t)(tokens * 128 * q->chunks);
     s.A = s.sx + sizeof(float) * (size_t)(tokens * q->kl);
@@ -487,7 +489,7 @@ static QsScratch qs_layout(const QsInfo *q, int64_t n0, int64_t n1, int tokens) 
     s.at = s.sxt + sizeof(float) * (size_t)(q->chunks * i16_table_stride(tokens));
     s.tiles = (s.at + sizeof(int32_t) * (size_t)(q->chunks * i16_table_stride(tokens)) + 63) / 64 * 64;
     s.amx = s.tiles + (size_t)((tokens + QA_TOKENS - 1) / QA_TOKENS * q->chunks) * 4 * QA_TILE;
-    s.total = s.amx + QA_BUFS * 4 * QA_TILE;
+    s.total = s.amx + QA_BUFS * 10 * QA_TILE;  /* with quarters: 2 KiB of A tiles, 8 KiB of sums */
     return s;
 }
 
@@ -513,9 +515,9 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
                        i16_table_stride(task->tokens)};
         qi_fill_tables(&q, sx, A, task->tokens, (float *)(base + at.sxt), (int32_t *)(base + at.at), in.tp);
 #if COLI_AMX
-        if (!q.quarters && coli_ffn_amx_usable()) {
+        if (coli_ffn_amx_usable()) {
             qa_inputs(&q, xq, ldq, task->tokens, base + at.tiles);
-            qa_rows(&q, n0, n1, task, &in, base + at.tiles, ps, acc, base + at.amx);
+            (q.quarters ? qq_rows : qa_rows)(&q, n0, n1, task, &in, base + at.tiles, ps, acc, base + at.amx);
             return;
         }
 #endif

@@ -290,6 +290,8 @@ def test_wide_matrices_and_many_tokens(fmt: str, hidden: int, inter: int,
 @pytest.mark.parametrize("fmt,hidden,inter,options", [
     ("int4", 1152, 640, {"group": 128}), ("int4", 1152, 640, {"group": 128, "symmetric": False}),
     ("int4", 1280, 768, {"group": 256, "symmetric": False}),
+    # a scale per 32 inputs: tiles of a quarter of a chunk; 1056 = 8 * 128 + 32
+    ("int4", 1152, 640, {"group": 32}), ("int4", 1056, 672, {"group": 96, "symmetric": False}),
     # MXFP4 ending with a half block (1056 = 16 * 64 + 32) and rows in tiles of 8
     ("mxfp4", 1056, 672, {})])
 def test_amx_tiles_give_the_vector_kernels_bits(fmt: str, hidden: int, inter: int, options: dict[str, Any],
