@@ -254,6 +254,21 @@ static const uint8_t QQ_CONFIG[64] __attribute__((aligned(64))) = {
     0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,
     16, 16, 16, 16, 8,  8,  8,  8,  0,  0,  0,  0,  0,  0,  0,  0};
 
+/* One K = 32 tile product (QQ_CONFIG): A (16 rows of 32 bytes, 64 apart)
+ * at a with B's h and l tiles (8 rows of 64 bytes) at bh and bl, into the
+ * h and l sums at p (16 rows of 16 int32 each). */
+AMX INLINE void qq_multiply(const uint8_t *a, const uint8_t *bh, const uint8_t *bl, int32_t *p) {
+    _tile_loadd(2, a, 64);
+    _tile_loadd(4, bh, 64);
+    _tile_loadd(5, bl, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbsud(1, 2, 5);
+    _tile_stored(0, p, 64);
+    _tile_stored(1, p + QA_ROWS * QA_TOKENS, 64);
+}
+
 /* Chunk c of the 16 rows as four A tiles at a: quarters 0 and 1 side by
  * side in 16 rows of 64 bytes, then quarters 2 and 3 (a tile: 32 bytes
  * of each row, loaded with a stride of 64). */
@@ -316,17 +331,9 @@ AMX static void qq_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
                     const uint8_t *a = w + (c % QA_BUFS) * 2 * QA_TILE;
                     const uint8_t *bt = b + ((t0 / QA_TOKENS) * q->chunks + c) * 4 * QA_TILE;
                     int32_t *p = sums + (c % QA_BUFS) * SUMS;
-                    for (int j = 0; j < 4; j++) {
-                        _tile_loadd(2, a + QA_TILE * (j / 2) + 32 * (j % 2), 64);
-                        _tile_loadd(4, bt + 512 * j, 64);
-                        _tile_loadd(5, bt + 2 * QA_TILE + 512 * j, 64);
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_dpbssd(0, 2, 4);
-                        _tile_dpbsud(1, 2, 5);
-                        _tile_stored(0, p + 2 * QA_ROWS * QA_TOKENS * j, 64);
-                        _tile_stored(1, p + 2 * QA_ROWS * QA_TOKENS * j + QA_ROWS * QA_TOKENS, 64);
-                    }
+                    for (int j = 0; j < 4; j++)
+                        qq_multiply(a + QA_TILE * (j / 2) + 32 * (j % 2), bt + 512 * j, bt + 2 * QA_TILE + 512 * j,
+                                    p + 2 * QA_ROWS * QA_TOKENS * j);
                 }
                 if (c + QA_LAG < q->chunks) qq_decode(q, rows, z, c + QA_LAG, w + ((c + QA_LAG) % QA_BUFS) * 2 * QA_TILE);
                 int64_t ca = c - QA_LAG;
@@ -343,12 +350,12 @@ AMX static void qq_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
     _tile_release();
 }
 
-/* ---- MXFP4: A's 16 rows are 8 rows' two half blocks (row 2m holds row
- * m's first half block in columns 0-31, zeros in 32-63; row 2m + 1 its
- * second in 32-63), so that C[2m + h][n] is half h's sum: twice the e2m1
- * values are signed bytes (looked up with vpshufb). Columns: the half's
- * even inputs, then its odd ones; in EO64 order those are the block's
- * quantised inputs 0-15, 32-47 (first half), 16-31, 48-63 (second). */
+/* ---- MXFP4: tiles of K = 32 (QQ_CONFIG), one per half block (its own
+ * scale): A 16 rows of the half's twice-e2m1 values as signed bytes
+ * (looked up with vpshufb), the half's even inputs then its odd ones; in
+ * EO64 order those are the block's quantised inputs 0-15, 32-47 (first
+ * half), 16-31, 48-63 (second), so B's two 8-row tiles of a half are the
+ * rows of a 16-row tile in that column order. */
 
 /* Twice the e2m1 value of each nibble, a vpshufb table in each 128 bits. */
 static const int8_t MA_E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -382,29 +389,31 @@ AMX static void ma_inputs(const MiInfo *d, const int16_t *xq, int tokens, uint8_
         }
 }
 
-/* Block u of the 8 rows at rows as A at a (its other halves stay zero). */
+/* Block u of the 16 rows at rows as two A tiles at a: row m's first half
+ * block at 64m, its second at 64m + 32 (a tile: 32 bytes of each row,
+ * loaded with a stride of 64). */
 AMX INLINE void ma_decode(const MiInfo *d, const uint8_t *const *rows, int64_t u, uint8_t *a) {
     const __m512i mask = _mm512_set1_epi8(0x0f), tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MA_E2M1_X2));
-    _Pragma("GCC unroll 8") for (int m = 0; m < MA_ROWS; m++) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
         __m256i v = mi_bytes(rows[m], u, u < d->whole);
         __m512i n = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
         /* 128-bit blocks: low nibbles 0-15, 16-31, high 0-15, 16-31 -> halves in order */
-        __m512i w = _mm512_shuffle_i64x2(_mm512_shuffle_epi8(tab, n), _mm512_shuffle_epi8(tab, n), _MM_SHUFFLE(3, 1, 2, 0));
-        _mm512_mask_storeu_epi8(a + 128 * m, (__mmask64)0xffffffffu, w);
-        _mm512_mask_storeu_epi8(a + 128 * m + 64, ~(__mmask64)0xffffffffu, w);
+        __m512i w = _mm512_shuffle_epi8(tab, n);
+        _mm512_storeu_si512(a + 64 * m, _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0)));
     }
 }
 
-/* Block u's sums of a tile of rows (h and l tiles at p) into its acc (8
- * rows' vectors of 16 tokens): c = fma(float(P), S_h * 2^-k, c), the first
- * half then the second (S: the two groups of rows' scales). */
+/* Block u's half-block sums of a tile of rows (half h's h and l tiles at
+ * p + 2h KiB) into its acc (16 rows' vectors of 16 tokens): c = fma(float(P),
+ * S_h * 2^-k, c), the first half then the second (S: the four groups of
+ * rows' scales). */
 AMX INLINE void ma_add(const int32_t *p, const float *const *S, int64_t u, __m512 x, float *acc) {
-    _Pragma("GCC unroll 8") for (int m = 0; m < MA_ROWS; m++) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
         __m512 c = _mm512_loadu_ps(acc + 16 * m);
         for (int h = 0; h < 2; h++) {
-            int row = 2 * m + h;
-            __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(p + 16 * row), 8),
-                                         _mm512_loadu_si512(p + QA_ROWS * QA_TOKENS + 16 * row));
+            const int32_t *ph = p + 2 * QA_ROWS * QA_TOKENS * h + 16 * m;
+            __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(ph), 8),
+                                         _mm512_loadu_si512(ph + QA_ROWS * QA_TOKENS));
             __m512 sv = _mm512_set1_ps(S[m / I16_ROWS][4 * (2 * u + h) + m % I16_ROWS]);
             c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv, x), c);
         }
@@ -412,22 +421,21 @@ AMX INLINE void ma_add(const int32_t *p, const float *const *S, int64_t u, __m51
     }
 }
 
-/* Rows [n0, n1) for more than one token (as qa_rows: panels of QA_PANEL
- * tiles of 8 rows, block after block, software-pipelined; S: their
- * params, QA_PANEL * 2 groups of rows; w: QA_BUFS A tiles of 1 KiB, then
- * QA_BUFS sums' pairs of 2 KiB). */
+/* Rows [n0, n1) for more than one token: tiles of 16 rows, K = 32 (a half
+ * block; QQ_CONFIG), block after block, software-pipelined as qa_rows (S:
+ * the rows' scales, 4 groups; acc: 1 KiB floats; w: QA_BUFS blocks' A
+ * tiles (1 KiB), then QA_BUFS blocks' sums (4 KiB)). */
 AMX static void ma_rows(const MiInfo *d, int64_t n0, int64_t n1, const ColiFfnTask *task, const float *sxt,
                         int64_t tp, const uint8_t *b, float *S, float *acc, uint8_t *w) {
-    enum { PR = QA_PANEL * MA_ROWS, GROUPS = PR / I16_ROWS, SUMS = 2 * QA_ROWS * QA_TOKENS };
+    enum { GROUPS = QA_ROWS / I16_ROWS, SUMS = 4 * QA_ROWS * QA_TOKENS };
     int32_t *sums = (int32_t *)(w + QA_BUFS * QA_TILE);
     const float *s[GROUPS];
     for (int g = 0; g < GROUPS; g++) s[g] = S + g * d->st;
-    memset(w, 0, QA_BUFS * QA_TILE);  /* the A tiles' other halves */
-    qa_configure();
-    for (int64_t p0 = n0; p0 < n1; p0 += PR) {
-        const int64_t p1 = p0 + PR < n1 ? p0 + PR : n1, tiles = (p1 - p0 + MA_ROWS - 1) / MA_ROWS;
-        const uint8_t *rows[PR];
-        qa_panel_rows(d->m->data, d->row_bytes, p0, p1, PR, rows);
+    _tile_loadconfig(QQ_CONFIG);
+    for (int64_t p0 = n0; p0 < n1; p0 += QA_ROWS) {
+        const int64_t p1 = p0 + QA_ROWS < n1 ? p0 + QA_ROWS : n1;
+        const uint8_t *rows[QA_ROWS];
+        qa_panel_rows(d->m->data, d->row_bytes, p0, p1, QA_ROWS, rows);
         for (int g = 0, nr; g < GROUPS; g++) {
             int64_t og = qa_group(p0, p1, g, &nr);
             mi_params(d, og, nr, S + g * d->st);
@@ -435,33 +443,19 @@ AMX static void ma_rows(const MiInfo *d, int64_t n0, int64_t n1, const ColiFfnTa
         for (int t0 = 0; t0 < task->tokens; t0 += QA_TOKENS) {
             const int nt = task->tokens - t0 < QA_TOKENS ? task->tokens - t0 : QA_TOKENS;
             const __mmask16 mine = (__mmask16)((1u << nt) - 1);
-            const int64_t steps = d->blocks * tiles;  /* (block, tile of rows) after one another */
-            memset(acc, 0, sizeof(float) * (size_t)(tiles * MA_ROWS * QA_TOKENS));
-            for (int64_t k = 0; k < QA_LAG && k < steps; k++)
-                ma_decode(d, rows + (k % tiles) * MA_ROWS, k / tiles, w + (k % QA_BUFS) * QA_TILE);
-            for (int64_t k = 0; k < steps + QA_LAG; k++) {
-                if (k < steps) {
-                    if (k % tiles == 0) {
-                        const uint8_t *bt = b + ((t0 / QA_TOKENS) * d->blocks + k / tiles) * 2 * QA_TILE;
-                        _tile_loadd(4, bt, 64);
-                        _tile_loadd(6, bt + QA_TILE, 64);
-                    }
-                    _tile_loadd(2, w + (k % QA_BUFS) * QA_TILE, 64);
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_dpbssd(0, 2, 4);
-                    _tile_dpbsud(1, 2, 6);
-                    _tile_stored(0, sums + (k % QA_BUFS) * SUMS, 64);
-                    _tile_stored(1, sums + (k % QA_BUFS) * SUMS + QA_ROWS * QA_TOKENS, 64);
+            memset(acc, 0, sizeof(float) * QA_ROWS * QA_TOKENS);
+            for (int64_t u = 0; u < QA_LAG && u < d->blocks; u++) ma_decode(d, rows, u, w + (u % QA_BUFS) * QA_TILE);
+            for (int64_t u = 0; u < d->blocks + QA_LAG; u++) {
+                if (u < d->blocks) {
+                    const uint8_t *a = w + (u % QA_BUFS) * QA_TILE;
+                    const uint8_t *bt = b + ((t0 / QA_TOKENS) * d->blocks + u) * 2 * QA_TILE;
+                    int32_t *p = sums + (u % QA_BUFS) * SUMS;
+                    for (int h = 0; h < 2; h++)
+                        qq_multiply(a + 32 * h, bt + 512 * h, bt + QA_TILE + 512 * h, p + 2 * QA_ROWS * QA_TOKENS * h);
                 }
-                int64_t kd = k + QA_LAG;
-                if (kd < steps) ma_decode(d, rows + (kd % tiles) * MA_ROWS, kd / tiles, w + (kd % QA_BUFS) * QA_TILE);
-                int64_t ka = k - QA_LAG;
-                if (ka >= 0) {
-                    int64_t ua = ka / tiles, ia = ka % tiles;
-                    ma_add(sums + (ka % QA_BUFS) * SUMS, s + ia * (MA_ROWS / I16_ROWS), ua,
-                           _mm512_maskz_loadu_ps(mine, sxt + ua * tp + t0), acc + ia * MA_ROWS * QA_TOKENS);
-                }
+                if (u + QA_LAG < d->blocks) ma_decode(d, rows, u + QA_LAG, w + ((u + QA_LAG) % QA_BUFS) * QA_TILE);
+                int64_t ua = u - QA_LAG;
+                if (ua >= 0) ma_add(sums + (ua % QA_BUFS) * SUMS, s, ua, _mm512_maskz_loadu_ps(mine, sxt + ua * tp + t0), acc);
             }
             for (int64_t m = 0; m < p1 - p0; m++)
                 for (int t = 0; t < nt; t++) task->dst[(t0 + t) * task->ld_dst + p0 + m] = acc[16 * m + t];

@@ -186,10 +186,8 @@ typedef void (*MiStreamFn)(const MiInfo *d, int64_t o0, int nr, const int16_t *x
                            int64_t tp, const float *S, float *dst, int64_t ld_dst);
 static const MiStreamFn MI_STREAM_FNS[3] = {mi_stream_1, mi_stream_2, mi_stream_4};
 
-/* More than one token with AMX (ffn_x86_amx.h): 8 rows (16 half-block
- * rows) and up to 16 tokens a tile, QA_PANEL tiles of rows sharing each
- * block's input tiles. */
-enum { MA_ROWS = 8 };
+/* More than one token with AMX (ffn_x86_amx.h): 16 rows, a half block and
+ * up to 16 tokens a tile. */
 #if COLI_AMX
 AMX static void ma_inputs(const MiInfo *d, const int16_t *xq, int tokens, uint8_t *b);
 AMX static void ma_rows(const MiInfo *d, int64_t n0, int64_t n1, const ColiFfnTask *task, const float *sxt,
@@ -198,7 +196,7 @@ AMX static void ma_rows(const MiInfo *d, int64_t n0, int64_t n1, const ColiFfnTa
 
 /* The scratch of a call (offsets in bytes from the first, 64-byte
  * aligned): the tokens' quantised inputs, their block scales and sums, the
- * scales of QA_PANEL tiles of rows, their sums, the block scales' table;
+ * scales of a tile of 16 rows, their sums, the block scales' table;
  * with AMX, the inputs' tiles and QA_BUFS blocks' weight and sum tiles. */
 typedef struct {
     size_t sx, A, S, acc, sxt, tiles, amx, total;
@@ -210,11 +208,11 @@ static MiScratch mi_layout(const MiInfo *d, int tokens) {
     s.sx = sizeof(int16_t) * (size_t)(tokens * d->ldq);
     s.A = s.sx + sizeof(float) * (size_t)(tokens * d->lds);
     s.S = s.A + sizeof(int32_t) * (size_t)(tokens * d->lds);
-    s.acc = s.S + sizeof(float) * (size_t)(QA_PANEL * MA_ROWS / I16_ROWS * d->st);
-    s.sxt = s.acc + sizeof(float) * (size_t)(QA_PANEL * MA_ROWS * QA_TOKENS);
+    s.acc = s.S + sizeof(float) * (size_t)(QA_ROWS / I16_ROWS * d->st);
+    s.sxt = s.acc + sizeof(float) * (size_t)(QA_ROWS * QA_TOKENS);
     s.tiles = (s.sxt + sizeof(float) * (size_t)(d->blocks * tp) + 63) / 64 * 64;
     s.amx = s.tiles + (size_t)((tokens + QA_TOKENS - 1) / QA_TOKENS * d->blocks) * 2 * QA_TILE;
-    s.total = s.amx + QA_BUFS * 3 * QA_TILE;
+    s.total = s.amx + QA_BUFS * 5 * QA_TILE;
     return s;
 }
 
