@@ -21,8 +21,11 @@
  * signed, then signed by unsigned bytes), then the int4 kernel's
  * a = fma(float(D), S * 2^-k, a) with the 16 tokens in a vector's lanes.
  *
- * Tiles: 0 and 1 the sums of h and l, 2 and 3 the weights (low and high
- * nibbles), 4 to 7 the inputs (h of the even and odd columns, then l). */
+ * Tiles of int4 by chunks (QA_CONFIG): 0 and 1 the sums of h and l, 2
+ * and 3 the weights (low and high nibbles), 4 to 7 the inputs (h of the
+ * even and odd columns, then l). By quarters and MXFP4's half blocks
+ * (QQ_CONFIG), K = 32: 0 and 1 the sums, 2 the weights, 4 and 5 the
+ * inputs' h and l. */
 
 #if COLI_AMX
 
