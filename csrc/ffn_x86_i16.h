@@ -126,6 +126,18 @@ VNNI INLINE __m512i i16_quarters4(__m512i p0, __m512i p1, __m512i p2, __m512i p3
     return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
 
+/* Four tokens' units (i16_quarters4's) by pairs of 128-bit blocks: lane
+ * 4t + r of *first holds token t's blocks 0 + 1 of row r, of *second its
+ * blocks 2 + 3. */
+VNNI INLINE void i16_block_pairs4(__m512i t0, __m512i t1, __m512i t2, __m512i t3, __m512i *first, __m512i *second) {
+    __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(3, 1, 3, 1)));
+    *first = _mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0));
+    *second = _mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
 /* Lanes 4i .. 4i + 3 take element i of four (vpermd indices: 4i + r lanes
  * of a token of four, or of a quarter). */
 static const int32_t I16_FOURS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
@@ -134,6 +146,15 @@ static const int32_t I16_FOURS[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 
  * block after block (tokens rounded up to 4, plus 4: a vector of four from
  * any token on, zero past them). */
 static int64_t i16_table_stride(int tokens) { return coli_ffn_round_up(tokens, 4) + 4; }
+
+/* A table of n 32-bit values per token (token t's at src + t ld), value
+ * after value, tp apart, zero past the tokens. */
+static void i16_table32(const void *src, int64_t ld, int64_t n, int tokens, void *table, int64_t tp) {
+    memset(table, 0, 4 * (size_t)(n * tp));
+    for (int t = 0; t < tokens; t++)
+        for (int64_t i = 0; i < n; i++)
+            memcpy((char *)table + 4 * (i * tp + t), (const char *)src + 4 * (t * ld + i), 4);
+}
 
 /* AMX tiles (ffn_x86_amx.h): 16 rows of 64 bytes, 16 tokens a tile;
  * QA_PANEL tiles of rows share each block's input tiles (a Mixtral expert

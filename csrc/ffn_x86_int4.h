@@ -201,12 +201,9 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
 /* Four tokens' quarters (i16_quarters4's) to chunks: lane 4t + r holds
  * token t's sum of row r. */
 VNNI INLINE __m512i qi_chunks4(__m512i t0, __m512i t1, __m512i t2, __m512i t3) {
-    __m512i s01 = _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512i s23 = _mm512_add_epi32(_mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512i first, second;
+    i16_block_pairs4(t0, t1, t2, t3, &first, &second);
+    return _mm512_add_epi32(first, second);
 }
 
 /* A (row, token)'s result from its sums as the loops leave them (v: the
@@ -363,13 +360,9 @@ static int64_t qi_panel_rows(const QsInfo *q, int64_t n) {
  * quarters, chunk sums A (al per token): chunk after chunk, tp apart. */
 static void qi_fill_tables(const QsInfo *q, const float *sx, const int32_t *A, int tokens, float *sxt,
                            int32_t *at, int64_t tp) {
-    memset(sxt, 0, sizeof(float) * (size_t)(q->chunks * tp));
-    memset(at, 0, sizeof(int32_t) * (size_t)(q->chunks * tp));
-    for (int t = 0; t < tokens; t++)
-        for (int64_t c = 0; c < q->chunks; c++) {
-            sxt[c * tp + t] = sx[t * q->kl + c];
-            if (!q->quarters) at[c * tp + t] = A[t * q->al + c];
-        }
+    i16_table32(sx, q->kl, q->chunks, tokens, sxt, tp);
+    if (q->quarters) memset(at, 0, sizeof(int32_t) * (size_t)(q->chunks * tp));
+    else i16_table32(A, q->al, q->chunks, tokens, at, tp);
 }
 
 /* Lines [l0, l1) of bytes at p into L2. */

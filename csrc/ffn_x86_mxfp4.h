@@ -142,14 +142,12 @@ VNNI static void mi_stream(const MiInfo *d, int64_t o0, int nr, const int16_t *x
             u_[t] = t < TB_ ? i16_quarters4(MI_SUM(a_[0], b_[0], t, U), MI_SUM(a_[1], b_[1], t, U), \
                                            MI_SUM(a_[2], b_[2], t, U), MI_SUM(a_[3], b_[3], t, U)) \
                             : _mm512_setzero_si512();                                        \
-        __m512i s01_ = _mm512_add_epi32(_mm512_shuffle_i32x4(u_[0], u_[1], _MM_SHUFFLE(2, 0, 2, 0)), \
-                                        _mm512_shuffle_i32x4(u_[0], u_[1], _MM_SHUFFLE(3, 1, 3, 1))); \
-        __m512i s23_ = _mm512_add_epi32(_mm512_shuffle_i32x4(u_[2], u_[3], _MM_SHUFFLE(2, 0, 2, 0)), \
-                                        _mm512_shuffle_i32x4(u_[2], u_[3], _MM_SHUFFLE(3, 1, 3, 1))); \
+        __m512i h0_, h1_; /* the four tokens' first halves, then their second */                 \
+        i16_block_pairs4(u_[0], u_[1], u_[2], u_[3], &h0_, &h1_);                                 \
         __m512 x_ = _mm512_permutexvar_ps(fours, _mm512_castps128_ps512(_mm_loadu_ps(sxt + (U) * tp))); \
-        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i32x4(s01_, s23_, _MM_SHUFFLE(2, 0, 2, 0))), \
+        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0_),                                              \
                             _mm512_mul_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(S + 8 * (U))), x_), c); \
-        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_shuffle_i32x4(s01_, s23_, _MM_SHUFFLE(3, 1, 3, 1))), \
+        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1_),                                              \
                             _mm512_mul_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(S + 8 * (U) + 4)), x_), c); \
     } while (0)
 
@@ -241,9 +239,7 @@ static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
         }
         return;
     }
-    memset(sxt, 0, sizeof(float) * (size_t)(d.blocks * tp));
-    for (int t = 0; t < task->tokens; t++)
-        for (int64_t u = 0; u < d.blocks; u++) sxt[u * tp + t] = sx[t * d.lds + u];
+    i16_table32(sx, d.lds, d.blocks, task->tokens, sxt, tp);
 #if COLI_AMX
     if (coli_ffn_amx_usable()) {
         ma_inputs(&d, xq, task->tokens, base + at.tiles);
