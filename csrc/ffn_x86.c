@@ -153,6 +153,7 @@ AVX512 INLINE __m512 scales_512(ColiScaleFormat f, const uint8_t *scales, int64_
 #include "ffn_x86_i16.h"
 #include "ffn_x86_int4.h"
 #include "ffn_x86_gx.h"
+#include "ffn_x86_gptq_act.h"
 #include "ffn_x86_mxfp4.h"
 #include "ffn_x86_amx.h"
 
@@ -551,6 +552,10 @@ static const ColiFfnKernel K512_GPTQ_BF16 = {"gptq-i16/avx512", COLI_FFN_X_BF16,
                                               0, 16, gx_scratch, gx_run_x};
 static const ColiFfnKernel K512_GPTQ_SPLIT = {"gptq-i16/avx512", COLI_FFN_X_BF16_SPLIT,
                                                COLI_FFN_ORDER_G8, 0, 16, gx_scratch, gx_run_split};
+static const ColiFfnKernel K512_GPTQ_ACT_BF16 = {"gptq-act-i16/avx512", COLI_FFN_X_BF16,
+                                                  COLI_FFN_ORDER_PLAIN, 0, 16, ga_scratch, ga_run_x};
+static const ColiFfnKernel K512_GPTQ_ACT_SPLIT = {"gptq-act-i16/avx512", COLI_FFN_X_BF16_SPLIT,
+                                                   COLI_FFN_ORDER_PLAIN, 0, 16, ga_scratch, ga_run_split};
 static const ColiFfnKernel K512_AWQ_BF16 = {"awq-i16/avx512", COLI_FFN_X_BF16, COLI_FFN_ORDER_PLAIN,
                                              0, 128, gx_scratch, gx_run_x};
 static const ColiFfnKernel K512_AWQ_SPLIT = {"awq-i16/avx512", COLI_FFN_X_BF16_SPLIT,
@@ -573,6 +578,7 @@ const ColiFfnKernel *coli_ffn_kernel_avx512(const ColiFfnMat *m, int input) {
         return &K512_INT4;
     case COLI_TENSOR_INT4_GPTQ:
         if (bf16 && gq_takes(m)) return split ? &K512_GPTQ_SPLIT : &K512_GPTQ_BF16;
+        if (bf16 && ga_takes(m)) return split ? &K512_GPTQ_ACT_SPLIT : &K512_GPTQ_ACT_BF16;
         return m->g_idx ? &K512_GPTQ_ACT : &K512_GPTQ;
     case COLI_TENSOR_INT4_AWQ:
         if (bf16 && aq_takes(m)) return split ? &K512_AWQ_SPLIT : &K512_AWQ_BF16;

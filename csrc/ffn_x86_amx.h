@@ -89,7 +89,7 @@ static void qa_int4_panel(const QsInfo *q, int64_t p0, int64_t p1, int n, const 
     qa_panel_rows(q->m->data, q->row_bytes, p0, p1, n, rows);
     for (int g = 0, nr; g < n / I16_ROWS; g++) {
         int64_t og = qa_group(p0, p1, g, &nr);
-        qs_params(q, og, nr, ps + g * 2 * q->st);
+        qs_params(q, og, nr, ps + g * 2 * q->st, 1);
     }
 }
 

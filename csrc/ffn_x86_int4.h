@@ -101,10 +101,10 @@ VNNI INLINE void qs_interleave(const QsInfo *q, const __m512 v[I16_ROWS], float 
 /* Groups of 128 or 32 inputs (one unit a group): the rows' params 16
  * groups at a time, whole vectors (zero past the groups) covering the
  * padding. F: the scale format, a constant where called. */
-VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f) {
+VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f, int64_t end) {
     const ColiFfnMat *m = q->m;
     int32_t *z = (int32_t *)(ps + q->st);
-    for (int64_t g = 0; g < q->st / I16_ROWS; g += 16) {
+    for (int64_t g = 0; g < end; g += 16) {
         int64_t n = m->groups - g;
         __mmask16 k = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
         __m512 sc[I16_ROWS], zv[I16_ROWS];
@@ -128,14 +128,18 @@ VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, C
 /* Params of rows o0 .. o0 + I16_ROWS - 1 (those past nr repeat the first),
  * 2 st values: the rows' scales S per unit (chunk c's at 4c + r; with
  * quarters, quarter j of chunk c's at 16c + 4j + r), then their zero
- * points z as int32 in the same order (zero past the units). */
-VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps) {
+ * points z as int32 in the same order (zero past the units). Unless
+ * whole, the values past the units' last block of 16 may be left as they
+ * are (one token's stream reads no further; a small model's padding to
+ * 16 chunks was half of the work). */
+VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps, int whole) {
     const ColiFfnMat *m = q->m;
     if (m->group == 128 || m->group == 32) {
+        int64_t end = whole ? q->st / I16_ROWS : coli_ffn_round_up(q->aw * q->chunks, 16);
         switch (m->scale_format) {
-        case COLI_SCALE_F32: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F32); return;
-        case COLI_SCALE_F16: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F16); return;
-        default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16); return;
+        case COLI_SCALE_F32: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F32, end); return;
+        case COLI_SCALE_F16: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F16, end); return;
+        default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16, end); return;
         }
     }
     int32_t *z = (int32_t *)(ps + q->st);
@@ -402,7 +406,7 @@ static void qs_tiles(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask 
         int64_t calls = qi_tile_calls(q, p1 - p0, task->tokens), share = (lines + calls - 1) / calls;
         const char *next = data + p1 * q->row_bytes;
         for (int64_t o0 = p0; o0 < p1; o0 += I16_ROWS)
-            qs_params(q, o0, p1 - o0 < I16_ROWS ? (int)(p1 - o0) : I16_ROWS, ps + (o0 - p0) / I16_ROWS * 2 * q->st);
+            qs_params(q, o0, p1 - o0 < I16_ROWS ? (int)(p1 - o0) : I16_ROWS, ps + (o0 - p0) / I16_ROWS * 2 * q->st, 1);
         for (int tg = 0; tg < task->tokens; tg += QI_TOKENS) {
             int nt = task->tokens - tg < QI_TOKENS ? task->tokens - tg : QI_TOKENS;
             memset(acc, 0, sizeof(float) * (size_t)((p1 - p0 + I16_ROWS - 1) / I16_ROWS * nt * ga));
@@ -520,7 +524,7 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
-        qs_params(&q, o0, nr, ps);
+        qs_params(&q, o0, nr, ps, 0);
         (q.quarters ? qi_stream_1 : qi_stream_0)(&q, o0, nr, xq, sx, A, ps, task->dst);
     }
 }

@@ -19,8 +19,9 @@
  * c = fma(float(P), S_h * 2^-k, c), half after half, block after block,
  * S_h the half's 2^(e - 128) and 2^-k the block's input scale; the result
  * is c. P is the same integer however it is summed, so one token streaming
- * four rows side by side, four rows of up to four tokens, and AMX tiles
- * give a token the same bits, whatever its batch.
+ * four rows side by side (with byte products: mi_stream), four rows of up
+ * to four tokens (16-bit products), and AMX tiles give a token the same
+ * bits, whatever its batch.
  */
 
 typedef struct {
@@ -92,42 +93,89 @@ VNNI INLINE __m256i mi_bytes(const uint8_t *row, int64_t blk, int whole) {
     _mm512_dpwssd_epi32(_mm512_madd_epi16(A_, _mm512_loadu_si512(xq + (t) * d->ldq + 64 * (U))), \
                         B_, _mm512_loadu_si512(xq + (t) * d->ldq + 64 * (U) + 32))
 
-/* Four rows' units (i16_quarters4's) to half blocks: 128-bit block 0 holds
- * the four rows' first halves, block 1 their second. */
-VNNI INLINE __m512i mi_halves(__m512i u) {
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+/* One token's inputs as bytes, per pair of blocks (128 inputs), for the
+ * byte-product stream: x = 256 h + l, h = x >> 8 signed, l = x & 255
+ * unsigned, each plane in the order of a row's 64 bytes of the pair (its
+ * low nibbles: the two blocks' even inputs; its high ones: their odd
+ * ones); lane 4j + r of hs holds 3072 (12 * 256) times the sum of h over
+ * the pair's half block j, of sx the scale of its block (0 past the
+ * blocks). 384 bytes: a 64-byte aligned array of them stays aligned. */
+typedef struct {
+    int8_t h_even[64], h_odd[64];
+    uint8_t l_even[64], l_odd[64];
+    int32_t hs[16];
+    float sx[16];
+} MiPair;
+
+static int64_t mi_pairs(const MiInfo *d) { return (d->blocks + 1) / 2; }
+
+/* The token's pairs from its quantised inputs xq and block scales sx. */
+VNNI static void mi_pair_inputs(const MiInfo *d, const int16_t *xq, const float *sx, MiPair *pairs) {
+    for (int64_t p = 0; p < mi_pairs(d); p++) {
+        MiPair *q = pairs + p;
+        memset(q, 0, sizeof *q);
+        for (int b = 0; b < 2 && 2 * p + b < d->blocks; b++) {
+            const int16_t *x = xq + 64 * (2 * p + b);
+            __m512i even = _mm512_loadu_si512(x), odd = _mm512_loadu_si512(x + 32);
+            __m512i he = _mm512_srai_epi16(even, 8), ho = _mm512_srai_epi16(odd, 8);
+            _mm256_storeu_si256((__m256i *)(q->h_even + 32 * b), _mm512_cvtepi16_epi8(he));
+            _mm256_storeu_si256((__m256i *)(q->h_odd + 32 * b), _mm512_cvtepi16_epi8(ho));
+            _mm256_storeu_si256((__m256i *)(q->l_even + 32 * b), _mm512_cvtepi16_epi8(even));
+            _mm256_storeu_si256((__m256i *)(q->l_odd + 32 * b), _mm512_cvtepi16_epi8(odd));
+            /* half j of the pair: 16 even and 16 odd inputs from 16 (j % 2) on */
+            __m512i both = _mm512_add_epi16(he, ho);
+            for (int k = 0; k < 2; k++) {
+                __m512i w = _mm512_cvtepi16_epi32(k ? _mm512_extracti64x4_epi64(both, 1) : _mm512_castsi512_si256(both));
+                int32_t sum = 3072 * _mm512_reduce_add_epi32(w);
+                for (int r = 0; r < I16_ROWS; r++) q->hs[4 * (2 * b + k) + r] = sum;
+            }
+            for (int i = 0; i < 8; i++) q->sx[8 * b + i] = sx[2 * p + b];
+        }
+    }
 }
 
-/* One token, four rows side by side: block U. */
-#define MI_BLOCK1(U, WHOLE)                                                                  \
-    do {                                                                                     \
-        __m512i p_[I16_ROWS];                                                                 \
-        UNROLL for (int r = 0; r < I16_ROWS; r++) {                                           \
-            __m512i a_, b_;                                                                  \
-            MI_DECODE(a_, b_, r, U, WHOLE);                                                  \
-            p_[r] = MI_SUM(a_, b_, 0, U);                                                    \
-        }                                                                                    \
-        __m512i h_ = mi_halves(i16_quarters4(p_[0], p_[1], p_[2], p_[3]));                    \
-        __m128 x_ = _mm_set1_ps(sx[U]);                                                      \
-        c = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(h_)),                        \
-                         _mm_mul_ps(_mm_loadu_ps(S + 8 * (U)), x_), c);                      \
-        c = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_extracti32x4_epi32(h_, 1)),                 \
-                         _mm_mul_ps(_mm_loadu_ps(S + 8 * (U) + 4), x_), c);                  \
-    } while (0)
+/* Twice the e2m1 value of each nibble as signed bytes (a vpshufb table). */
+static const int8_t MI_E2M1_X2_I8[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-/* One token: rows o0 .. o0 + nr - 1 (the missing ones repeat the first and
- * are not stored) over every block (xq, sx: the token's; S: the rows'
- * scales). */
-VNNI static void mi_stream(const MiInfo *d, int64_t o0, int nr, const int16_t *xq, const float *sx,
-                           const float *S, float *dst) {
-    const __m512i tab = _mm512_loadu_si512(MI_E2M1_X2);
-    const int64_t ahead = rows_ahead(I16_ROWS * d->row_bytes);
+/* One token, four rows side by side, a pair of blocks (a row's 64 bytes)
+ * a step, with byte products (vpdpbusd, 64 a instruction): with w a
+ * weight's twice-e2m1 value, sum (w + 12) h (unsigned times signed) and
+ * w l (the reverse), so P = 256 sum (w + 12) h + sum w l - 3072 sum h is
+ * the exact integer the 16-bit products give, and c takes the pair's
+ * four halves in order: the same bits as mi_stream_1. Rows
+ * o0 .. o0 + nr - 1 (the missing ones repeat the first and are not
+ * stored); S: the rows' scales. */
+VNNI static void mi_stream(const MiInfo *d, int64_t o0, int nr, const MiPair *pairs, const float *S, float *dst) {
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MI_E2M1_X2_I8));
+    const __m512i nibble = _mm512_set1_epi8(0x0f), twelve = _mm512_set1_epi8(12);
+    const int64_t ahead = rows_ahead(I16_ROWS * d->row_bytes), n = mi_pairs(d);
     const uint8_t *rows[I16_ROWS];
     UNROLL for (int r = 0; r < I16_ROWS; r++) rows[r] = d->m->data + (o0 + (r < nr ? r : 0)) * d->row_bytes;
     __m128 c = _mm_setzero_ps();
-    for (int64_t u = 0; u < d->whole; u++) MI_BLOCK1(u, 1);
-    if (d->whole < d->blocks) MI_BLOCK1(d->whole, 0);
+    for (int64_t p = 0; p < n; p++) {
+        const MiPair *q = pairs + p;
+        const int64_t left = d->row_bytes - 64 * p;
+        const __mmask64 k = left >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << left) - 1;
+        __m512i sums[I16_ROWS];
+        UNROLL for (int r = 0; r < I16_ROWS; r++) {
+            /* the group of rows' bytes in order, not four streams */
+            ffn_prefetch2((const char *)rows[0] + 256 * p + 64 * r, ahead);
+            __m512i v = _mm512_maskz_loadu_epi8(k, rows[r] + 64 * p);
+            __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nibble));
+            __m512i hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+            __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_add_epi8(lo, twelve),
+                                            _mm512_load_si512(q->h_even));
+            h = _mm512_dpbusd_epi32(h, _mm512_add_epi8(hi, twelve), _mm512_load_si512(q->h_odd));
+            __m512i l = _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), _mm512_load_si512(q->l_even), lo);
+            sums[r] = _mm512_dpbusd_epi32(l, _mm512_load_si512(q->l_odd), hi);
+        }
+        __m512i P = _mm512_sub_epi32(i16_quarters4(sums[0], sums[1], sums[2], sums[3]), _mm512_load_si512(q->hs));
+        __m512 f = _mm512_cvtepi32_ps(P), s = _mm512_mul_ps(_mm512_loadu_ps(S + 16 * p), _mm512_load_ps(q->sx));
+        c = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(s), c);
+        c = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(s, 1), c);
+        c = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(s, 2), c);
+        c = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(s, 3), c);
+    }
     float v[4];
     _mm_storeu_ps(v, c);
     for (int r = 0; r < nr; r++) dst[o0 + r] = v[r];
@@ -176,7 +224,6 @@ MI_STREAMT(2)
 MI_STREAMT(4)
 #undef MI_STREAMT
 #undef MI_BLOCKT
-#undef MI_BLOCK1
 #undef MI_SUM
 #undef MI_DECODE
 
@@ -195,9 +242,10 @@ AMX static void ma_rows(const MiInfo *d, int64_t n0, int64_t n1, const ColiFfnTa
 /* The scratch of a call (offsets in bytes from the first, 64-byte
  * aligned): the tokens' quantised inputs, their block scales and sums, the
  * scales of a tile of 16 rows, their sums, the block scales' table;
- * with AMX, the inputs' tiles and QA_BUFS blocks' weight and sum tiles. */
+ * with AMX, the inputs' tiles and QA_BUFS blocks' weight and sum tiles;
+ * one token's pairs (mi_stream). */
 typedef struct {
-    size_t sx, A, S, acc, sxt, tiles, amx, total;
+    size_t sx, A, S, acc, sxt, tiles, amx, pairs, total;
 } MiScratch;
 
 static MiScratch mi_layout(const MiInfo *d, int tokens) {
@@ -210,7 +258,8 @@ static MiScratch mi_layout(const MiInfo *d, int tokens) {
     s.sxt = s.acc + sizeof(float) * (size_t)(QA_ROWS * QA_TOKENS);
     s.tiles = (s.sxt + sizeof(float) * (size_t)(d->blocks * tp) + 63) / 64 * 64;
     s.amx = s.tiles + (size_t)((tokens + QA_TOKENS - 1) / QA_TOKENS * d->blocks) * 2 * QA_TILE;
-    s.total = s.amx + QA_BUFS * 5 * QA_TILE;
+    s.pairs = s.amx + QA_BUFS * 5 * QA_TILE;
+    s.total = s.pairs + sizeof(MiPair) * (size_t)mi_pairs(d);
     return s;
 }
 
@@ -232,10 +281,12 @@ static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
         i16_quantise((const uint16_t *)task->x + t * task->ldx, part, ns, d.ldq, COLI_FFN_BLOCK, d.ldq,
                     xq + t * d.ldq, sx + t * d.lds, sums + t * d.lds);
     if (task->tokens == 1) {
+        MiPair *pairs = (MiPair *)(base + at.pairs);
+        mi_pair_inputs(&d, xq, sx, pairs);
         for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
             int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
             mi_params(&d, o0, nr, S);
-            mi_stream(&d, o0, nr, xq, sx, S, task->dst);
+            mi_stream(&d, o0, nr, pairs, S, task->dst);
         }
         return;
     }
