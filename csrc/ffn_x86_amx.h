@@ -360,8 +360,6 @@ AMX static void qq_rows(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTa
  * half), 16-31, 48-63 (second), so B's two 8-row tiles of a half are the
  * rows of a 16-row tile in that column order. */
 
-/* Twice the e2m1 value of each nibble, a vpshufb table in each 128 bits. */
-static const int8_t MA_E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 /* The quantised inputs of a block in A's column order (vpermi2w of its two
  * halves): columns 0-31, then 32-63. */
 static const int16_t MA_COLUMNS[64] = {
@@ -396,7 +394,7 @@ AMX static void ma_inputs(const MiInfo *d, const int16_t *xq, int tokens, uint8_
  * block at 64m, its second at 64m + 32 (a tile: 32 bytes of each row,
  * loaded with a stride of 64). */
 AMX INLINE void ma_decode(const MiInfo *d, const uint8_t *const *rows, int64_t u, uint8_t *a) {
-    const __m512i mask = _mm512_set1_epi8(0x0f), tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MA_E2M1_X2));
+    const __m512i mask = _mm512_set1_epi8(0x0f), tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MI_E2M1_X2_I8));
     _Pragma("GCC unroll 16") for (int m = 0; m < QA_ROWS; m++) {
         __m256i v = mi_bytes(rows[m], u, u < d->whole);
         __m512i n = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), mask);
