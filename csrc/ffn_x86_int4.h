@@ -99,8 +99,8 @@ VNNI INLINE void qs_interleave(const QsInfo *q, const __m512 v[I16_ROWS], float 
 }
 
 /* Groups of 128 or 32 inputs (one unit a group): the rows' params 16
- * groups at a time, whole vectors (zero past the groups) covering the
- * padding. F: the scale format, a constant where called. */
+ * groups at a time up to end (a multiple of 16), whole vectors (zero past
+ * the groups). F: the scale format, a constant where called. */
 VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f, int64_t end) {
     const ColiFfnMat *m = q->m;
     int32_t *z = (int32_t *)(ps + q->st);
