@@ -407,6 +407,8 @@ def _group_of(leases: Sequence[Any], what: str) -> tuple[Any, int]:
     if len(leases) == 0:
         raise ValueError(f"{what} needs at least one lease")
     handle, hidden = _store_of(leases[0], "leases[0]")
+    if len({type(lease) for lease in leases}) == 1:
+        return handle, hidden       # one lease class: one store
     for i in range(1, len(leases)):
         if getattr(type(leases[i]), "_store_handle", None) is not handle:
             raise ValueError(f"leases[{i}] is not a lease of leases[0]'s store")
@@ -434,6 +436,12 @@ def _row_offsets(counts: Sequence[int] | np.ndarray, n: int, tokens: int) -> np.
 def _matrix(value: Any, what: str, codes: dict[Any, int], *, writable: bool = False) -> tuple[int, int, tuple[int, ...], int]:
     """(address, format code, shape, row stride in elements) of a 2-D torch
     tensor or numpy array with contiguous rows, its dtype one of ``codes``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.is_cpu and value.dim() == 2 \
+            and value.is_contiguous() and value.dtype in codes:
+        # a model's own tensors, at every layer of a decode step: the few checks they need
+        shape = tuple(value.shape)
+        return int(value.data_ptr()), codes[value.dtype], shape, shape[1]
     if isinstance(value, np.ndarray):
         code = codes.get(value.dtype)
         shape = value.shape

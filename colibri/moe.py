@@ -62,7 +62,8 @@ class LayerStream:
         slots = store.slots(layer)
         self.streaming = len(experts) > slots > 1 and store.prefetch_workers > 0
         size = slots // 2 if self.streaming else slots
-        self.groups = [list(experts[i:i + size]) for i in range(0, len(experts), size)]
+        self.groups = [list(experts)] if len(experts) <= size else \
+            [list(experts[i:i + size]) for i in range(0, len(experts), size)]
 
     def __len__(self) -> int:
         return len(self.groups)

@@ -171,8 +171,23 @@ float coli_ffn_group_sum(const float *x, int64_t n);
 
 /* Element conversions shared by the paths. */
 float coli_f16_to_f32(uint16_t h);
-float coli_bf16_to_f32(uint16_t b);
-uint16_t coli_f32_to_bf16(float f);     /* round to nearest even; NaN stays NaN */
+/* bfloat16 <-> float32 inline: the per-value loops of the norms, the
+ * routers and the scalar path call them once per element. */
+static inline float coli_bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even; NaN stays NaN (quieted). */
+static inline uint16_t coli_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 float coli_e4m3_to_f32(uint8_t b);      /* e4m3fn: 0x7f and 0xff are NaN */
 float coli_e5m2_to_f32(uint8_t b);
 float coli_ffn_scale(const ColiFfnMat *m, int64_t index);  /* scale number index, as float */

@@ -2,25 +2,47 @@
  * rms_norm.c: coli_rms_norm (rms_norm.h). Each step rounds where
  * transformers' forward rounds, so a row's result differs from the
  * framework's only through the order of the sum of squares (held here in
- * double).
+ * double, four running sums).
  */
 #include "rms_norm.h"
 
 #include <math.h>
+#include <string.h>
 
 #include "coli_errors.h"
 #include "ffn_internal.h"   /* coli_bf16_to_f32, coli_f32_to_bf16 */
 #include "tensor.h"
 
-static float load(const void *p, int format, int64_t i) {
-    return format == COLI_TENSOR_BF16 ? coli_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* Rows go through in blocks of this many values, widened to float32 first
+ * (the format's branch out of the per-value loops). */
+enum { NORM_BLOCK = 256 };
+
+static void widen(const void *p, int format, int64_t at, int64_t count, float *dst) {
+    if (format == COLI_TENSOR_BF16) {
+        const uint16_t *src = (const uint16_t *)p + at;
+        for (int64_t i = 0; i < count; i++) dst[i] = coli_bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)p + at, sizeof(float) * (size_t)count);
+    }
 }
 
-static void store(void *p, int format, int64_t i, float v) {
-    if (format == COLI_TENSOR_BF16)
-        ((uint16_t *)p)[i] = coli_f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
+static void narrow(const float *v, int64_t count, void *p, int format, int64_t at) {
+    if (format == COLI_TENSOR_BF16) {
+        uint16_t *dst = (uint16_t *)p + at;
+        for (int64_t i = 0; i < count; i++) dst[i] = coli_f32_to_bf16(v[i]);
+    } else {
+        memcpy((float *)p + at, v, sizeof(float) * (size_t)count);
+    }
+}
+
+/* The sum of the float32 squares of v, in double: four running sums. */
+static double sum_of_squares(const float *v, int64_t count) {
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4)
+        for (int j = 0; j < 4; j++) s[j] += (double)(v[i + j] * v[i + j]);
+    for (; i < count; i++) s[0] += (double)(v[i] * v[i]);
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 /* The format the framework gives weight * row: bfloat16 only when both are. */
@@ -44,21 +66,28 @@ int coli_rms_norm(const void *x, void *out, const void *weight, int64_t rows, in
     if (rows < 0 || n < 1 || !x || !out || !weight)
         return coli_fail(err, err_len, COLI_EINVAL, "rms_norm: %lld rows of %lld values", (long long)rows,
                          (long long)n);
+    const int round_h = order == COLI_RMS_WEIGHT_AFTER_CAST && format == COLI_TENSOR_BF16;
+    float h[NORM_BLOCK], w[NORM_BLOCK];
     for (int64_t r = 0; r < rows; r++) {
-        int64_t base = r * n;
+        const int64_t base = r * n;
         double squares = 0.0;
-        for (int64_t i = 0; i < n; i++) {
-            float h = load(x, format, base + i);
-            squares += (double)(h * h);
+        for (int64_t i = 0; i < n; i += NORM_BLOCK) {
+            int64_t c = n - i < NORM_BLOCK ? n - i : NORM_BLOCK;
+            widen(x, format, base + i, c, h);
+            squares += sum_of_squares(h, c);
         }
         float variance = (float)(squares / (double)n);
         float scale = 1.0f / sqrtf(variance + eps);
-        for (int64_t i = 0; i < n; i++) {
-            float h = load(x, format, base + i) * scale;
-            float w = load(weight, weight_format, i);
-            if (order == COLI_RMS_WEIGHT_AFTER_CAST && format == COLI_TENSOR_BF16)
-                h = coli_bf16_to_f32(coli_f32_to_bf16(h));
-            store(out, out_format, base + i, w * h);
+        for (int64_t i = 0; i < n; i += NORM_BLOCK) {
+            int64_t c = n - i < NORM_BLOCK ? n - i : NORM_BLOCK;
+            widen(x, format, base + i, c, h);
+            widen(weight, weight_format, i, c, w);
+            for (int64_t j = 0; j < c; j++) {
+                float v = h[j] * scale;
+                if (round_h) v = coli_bf16_to_f32(coli_f32_to_bf16(v));
+                h[j] = w[j] * v;
+            }
+            narrow(h, c, out, out_format, base + i);
         }
     }
     return 0;

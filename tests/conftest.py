@@ -207,6 +207,15 @@ def assert_same_greedy(model, reference, bound: float) -> None:
         assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) <= bound
 
 
+def assert_relative_within(got, want, bound: float) -> None:
+    """Two torch tensors of one shape and dtype, each value of ``got``
+    within ``bound`` of ``want``'s, relative to that value's magnitude."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().clamp_min(1e-30)
+    err = float(((got.float() - want.float()).abs() / scale).max())
+    assert err <= bound, f"relative error {err}"
+
+
 def make_model(directory, **kwargs) -> SyntheticModel:
     return write_synthetic_model(directory, **kwargs)
 

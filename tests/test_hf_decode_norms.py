@@ -26,7 +26,7 @@ import colibri.hf as hf  # noqa: E402
 from colibri.hf import norms  # noqa: E402
 from colibri.hf.norms import DECODE_NORM_VALUES, norm_form, rms_norm, use_decode_norms  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
-from conftest import assert_same_greedy  # noqa: E402
+from conftest import assert_relative_within, assert_same_greedy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,10 +64,7 @@ def test_the_two_formulas_are_recognised_and_others_are_not() -> None:
 
 
 def _close(got: Any, want: Any) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype
-    scale = want.float().abs().clamp_min(1e-30)
-    err = float(((got.float() - want.float()).abs() / scale).max())
-    assert err <= 2 * ROUNDING[want.dtype], f"relative error {err}"
+    assert_relative_within(got, want, 2 * ROUNDING[want.dtype])
 
 
 @settings(max_examples=60, deadline=None)

@@ -29,12 +29,27 @@ _OTHER_MATH = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions"
 
 
 def _packable(module: Any, query: Any, attention_mask: Any, kwargs: dict[str, Any]) -> bool:
-    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
-    if query.shape[2] != 1 or groups <= 1 or query.device.type != "cpu":
+    if query.shape[2] != 1 or not query.is_cpu or (getattr(module, "num_key_value_groups", 1) or 1) <= 1:
         return False
     if attention_mask is not None and attention_mask.shape[1] != 1:
         return False        # a per-head mask: transformers reshapes it itself
-    return not any(kwargs.get(k) for k in _OTHER_MATH)
+    for k in _OTHER_MATH:
+        if kwargs.get(k) is not None and kwargs[k] is not False:
+            return False
+    return True
+
+
+_functions: dict[str, Any] = {}
+
+
+def _torch_and_sdpa() -> tuple[Any, Any]:
+    """torch and transformers' ``sdpa`` attention function, imported once."""
+    if not _functions:
+        import torch
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _functions.update(torch=torch, forward=sdpa_attention_forward)
+    return _functions["torch"], _functions["forward"]
 
 
 def decode_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
@@ -44,9 +59,7 @@ def decode_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: A
     grouped-query layer on the CPU computed over the key/value heads (query
     (batch, heads, 1, dim) as (batch, kv_heads, heads / kv_heads, dim)).
     Returns (batch, 1, heads, dim) and None, as transformers' does."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    torch, sdpa_attention_forward = _torch_and_sdpa()
     if not _packable(module, query, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

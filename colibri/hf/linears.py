@@ -98,19 +98,10 @@ def decode_linear_class() -> Any:
 
 
 def _make_decode_class() -> Any:
-    import ml_dtypes
-    import numpy as np
     import torch
 
     kernel_dtypes = (torch.float32, torch.bfloat16)
     functional_linear = torch.nn.functional.linear
-
-    def weight_array(weight: Any) -> np.ndarray:
-        """The weight's own memory as a numpy array (no copy)."""
-        w = weight.detach()
-        if w.dtype == torch.bfloat16:
-            return np.asarray(w.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-        return np.asarray(w.numpy())
 
     class DecodeLinear(torch.nn.Linear):  # type: ignore[misc, name-defined]
         """An ``nn.Linear`` (the same parameter objects as the layer it
@@ -154,6 +145,18 @@ def _make_decode_class() -> Any:
             return functional_linear(x, w, self.bias)
 
     return DecodeLinear
+
+
+def weight_array(weight: Any) -> Any:
+    """A float32 or bfloat16 CPU weight's own memory as a numpy array (no copy)."""
+    import ml_dtypes
+    import numpy as np
+    import torch
+
+    w = weight.detach()
+    if w.dtype == torch.bfloat16:
+        return np.asarray(w.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    return np.asarray(w.numpy())
 
 
 def use_decode_linears(model: Any) -> int:

@@ -15,15 +15,13 @@ most :data:`DECODE_NORM_VALUES` values without autograd, is
 
 from __future__ import annotations
 
-import ast
-import inspect
 import sys
-import textwrap
 import types
 from typing import Any
 
 from colibri._ffi import ffi, lib
 from colibri.errors import error_for
+from colibri.hf.source_forms import function_form
 
 __all__ = ["DECODE_NORM_VALUES", "FORMS", "norm_form", "rms_norm", "use_decode_norms"]
 
@@ -51,22 +49,10 @@ _TORCH_CODES: dict[Any, int] = {}  # filled by _codes() once torch is imported
 def norm_form(cls: type) -> str | None:
     """Which of :data:`FORMS` ``cls.forward`` computes, or None (another
     formula, or a forward whose source cannot be read)."""
-    forward = getattr(cls, "forward", None)
-    if not callable(forward):
+    form = function_form(getattr(cls, "forward", None))
+    if form is None or form[0] != "self, hidden_states":
         return None
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (TypeError, OSError, SyntaxError, IndentationError):
-        return None
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef) or [a.arg for a in func.args.args] != ["self", "hidden_states"]:
-        return None
-    body = func.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]  # the docstring
-    statements = tuple(ast.unparse(s) for s in body)
-    return next((name for name, form in FORMS.items() if form == statements), None)
+    return next((name for name, statements in FORMS.items() if statements == form[1]), None)
 
 
 def rms_norm(x: Any, weight: Any, eps: float, form: str = "after_cast") -> Any:

@@ -13,6 +13,8 @@ from colibri.hf.attention import use_decode_sdpa
 from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.linears import use_decode_linears
 from colibri.hf.norms import use_decode_norms
+from colibri.hf.rotary import use_decode_rotary
+from colibri.hf.routers import use_decode_routers
 from colibri.hf.loaders import register
 from colibri.hf.runtime import KERNELS, DecodeThreads, OneTokenBlas, RouterPilot, Runtime, experts_modules
 from colibri.store import Store, open_store
@@ -38,6 +40,8 @@ def from_pretrained(
     decode_linears: bool = True,
     decode_threads: bool = True,
     decode_norms: bool = True,
+    decode_routers: bool = True,
+    decode_rotary: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -72,8 +76,14 @@ def from_pretrained(
     (:class:`~colibri.hf.runtime.DecodeThreads`). ``decode_norms`` (with
     ``kernels="native"``): RMS norms of transformers' two usual formulas
     compute such a forward in one native call
-    (:func:`~colibri.hf.norms.use_decode_norms`). Other keywords go to
-    :func:`colibri.open_store`.
+    (:func:`~colibri.hf.norms.use_decode_norms`). ``decode_routers`` (with
+    ``kernels="native"``): softmax top-k routers route such a forward with
+    colibri's kernels (:func:`~colibri.hf.routers.use_decode_routers`).
+    ``decode_rotary`` (with ``kernels="native"``): transformers' usual
+    rotary embedding function of the model's modeling module computes
+    one-token calls natively, the same bits, for every model of that
+    family in the process (:func:`~colibri.hf.rotary.use_decode_rotary`).
+    Other keywords go to :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
     weight; on any error nothing is left open. Close the store with
@@ -110,6 +120,10 @@ def from_pretrained(
             model.colibri.decode_linears = use_decode_linears(model)
         if kernels == "native" and decode_norms:
             model.colibri.decode_norms = use_decode_norms(model)
+        if kernels == "native" and decode_routers:
+            model.colibri.decode_routers = use_decode_routers(model)
+        if kernels == "native" and decode_rotary:
+            model.colibri.decode_rotary = use_decode_rotary(model)
         if decode_blas and OneTokenBlas.wanted(model):
             hooks = OneTokenBlas()
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)

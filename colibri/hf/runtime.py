@@ -111,6 +111,12 @@ class Runtime:
         #: How many RMS norms compute a forward of a few rows natively
         #: (colibri.hf.norms.use_decode_norms; 0 with kernels="torch" or decode_norms=False).
         self.decode_norms = 0
+        #: How many softmax top-k routers route a forward of a few rows natively
+        #: (colibri.hf.routers.use_decode_routers; 0 with kernels="torch" or decode_routers=False).
+        self.decode_routers = 0
+        #: How many modeling modules' rotary embedding computes one-token calls natively
+        #: (colibri.hf.rotary.use_decode_rotary; 0 with kernels="torch" or decode_rotary=False).
+        self.decode_rotary = 0
         #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
         self.decode_blas = False
         #: True when a forward of a few rows gives torch's threads to the kernels (decode_threads).

@@ -1,0 +1,90 @@
+"""Decode steps of a colibri.hf model in RAM with one of its native decode
+forwards switched on and off at every other step, in one process.
+
+The machine's speed drifts by tens of percent within minutes; steps that
+alternate share that drift, so the ratio of the two medians shows what the
+switch changes. ``--switch routers`` toggles the native softmax top-k
+routers (``decode_routers``), ``norms`` the native RMS norms
+(``decode_norms``), ``rotary`` the native rotary embedding
+(``decode_rotary``). The model is any checkpoint colibri.hf loads, e.g. the
+4-bit one ``benchmarks/generate.py --models DIR`` keeps in ``DIR/4bit/hf``.
+
+    python benchmarks/decode_switch.py --model DIR --switch routers --threads 1
+    python benchmarks/decode_switch.py --model DIR --switch rotary --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a checkpoint directory colibri.hf loads")
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="routers")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=400, help="decode steps, half of them with the switch on")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    import colibri.hf
+
+    torch.set_num_threads(args.threads)
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    experts, layers = config.num_experts if hasattr(config, "num_experts") else config.num_local_experts, \
+        config.num_hidden_layers
+    model = colibri.hf.from_pretrained(args.model, torch_dtype=torch.bfloat16, slots_per_layer=experts,
+                                       prefetch=None, warm=[(layer, e) for layer in range(layers)
+                                                            for e in range(experts)])
+    model.eval()
+    marker = SWITCHES[args.switch]
+    if args.switch == "rotary":      # a function of each modeling module, not a module's forward
+        names = {type(m).__module__ for m in model.modules()}
+        switched = [(sys.modules[n], getattr(sys.modules[n], "apply_rotary_pos_emb")) for n in sorted(names)
+                    if hasattr(getattr(sys.modules[n], "apply_rotary_pos_emb", None), marker)]
+    else:
+        switched = [(m, vars(m)["forward"]) for m in model.modules() if hasattr(m, marker) and "forward" in vars(m)]
+    if not switched:
+        raise SystemExit(f"{args.model}: no module has a native {args.switch} forward to switch")
+
+    def switch(on: bool) -> None:
+        for module, native in switched:
+            if args.switch == "rotary":
+                module.apply_rotary_pos_emb = native if on else getattr(native, marker)
+            elif on:
+                module.forward = native
+            else:
+                del module.forward
+
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.no_grad():
+        out: Any = model(prompt, use_cache=True, logits_to_keep=1)
+        for step in range(args.steps):
+            on = step % 2 == 0
+            switch(on)
+            token = out.logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            times[on].append(time.perf_counter() - t0)
+            if step % 64 == 63:       # back to the prompt's length: every step sees 256-320 tokens
+                out.past_key_values.crop(-64)
+    switch(True)
+    model.colibri_close()
+    on, off = (statistics.median(times[k]) for k in (True, False))
+    print(f"{args.switch} ({len(switched)} modules), {args.threads} thread(s), {args.steps} steps: "
+          f"on {1e3 * on:.2f} ms, off {1e3 * off:.2f} ms a step (medians); on / off {on / off:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
