@@ -43,7 +43,7 @@ FORMS: dict[str, tuple[str, ...]] = {
 }
 _ORDERS = {"after_cast": lib.COLI_RMS_WEIGHT_AFTER_CAST, "before_cast": lib.COLI_RMS_WEIGHT_BEFORE_CAST}
 _ERR_LEN = 256
-_TORCH_CODES: dict[Any, int] = {}  # filled by _codes() once torch is imported
+_TORCH_CODES: dict[Any, int] = {}  # filled by float_codes() once torch is imported
 
 
 def norm_form(cls: type) -> str | None:
@@ -61,7 +61,7 @@ def rms_norm(x: Any, weight: Any, eps: float, form: str = "after_cast") -> Any:
     (float32 or bfloat16, contiguous, on the CPU) as the ``form`` of
     :data:`FORMS` computes it, in one native call. Returns a new tensor of
     the dtype the formula gives."""
-    codes = _codes()
+    codes = float_codes()
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, not {form!r}")
     if x.dtype not in codes or weight.dtype not in codes:
@@ -74,8 +74,10 @@ def rms_norm(x: Any, weight: Any, eps: float, form: str = "after_cast") -> Any:
     return _compute(x, weight, eps, form, codes)
 
 
-def _codes() -> dict[Any, int]:
-    """The core's format codes of torch's float32 and bfloat16 (torch imported)."""
+def float_codes() -> dict[Any, int]:
+    """The core's format codes of torch's float32 and bfloat16 (torch
+    imported), made once; the native decode forwards (norms, routers,
+    rotary) look their operands' dtypes up here."""
     if not _TORCH_CODES:
         torch = sys.modules["torch"]
         _TORCH_CODES.update({torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16})
@@ -105,7 +107,7 @@ def _native_forward(self: Any, hidden_states: Any) -> Any:
     class's own. It checks the operands once, here."""
     torch = sys.modules["torch"]
     w = self.weight
-    codes = _codes()
+    codes = float_codes()
     if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in codes \
             and w.dtype in codes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
             and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from colibri._ffi import ffi, lib
 from colibri.errors import error_for
+from colibri.hf.norms import float_codes
 from colibri.hf.source_forms import function_form, source_form
 
 __all__ = ["FORM", "ROTATE_HALF", "rotary", "rotary_form", "use_decode_rotary"]
@@ -62,17 +63,12 @@ def rotary_form(module: Any) -> bool:
     return (function_form(apply), function_form(half)) == _FORMS
 
 
-def _codes() -> dict[Any, int]:
-    torch = sys.modules["torch"]
-    return {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
-
-
 def rotary(x: Any, cos: Any, sin: Any) -> Any:
     """:data:`FORM`'s embedding of one token's queries or keys: ``x``
     ``(batch, heads, 1, d)``, ``cos`` and ``sin`` ``(batch, 1, d)``, CPU
     torch tensors of one dtype (float32 or bfloat16), contiguous, ``d``
     even. Returns a new tensor shaped as ``x``."""
-    codes = _codes()
+    codes = float_codes()
     if not _fits(x, cos, sin, codes):
         raise ValueError(f"rotary: x (batch, heads, 1, d) and cos, sin (batch, 1, d), contiguous CPU tensors "
                          f"of one dtype, float32 or bfloat16, d even; got {tuple(x.shape)} {x.dtype}, "
@@ -110,7 +106,7 @@ def _native(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
         torch = sys.modules["torch"]
-        codes = _codes()
+        codes = float_codes()
         if unsqueeze_dim == 1 and _fits(q, cos, sin, codes) and _fits(k, cos, sin, codes) \
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))):
             return _compute(q, cos, sin, codes), _compute(k, cos, sin, codes)

@@ -27,6 +27,7 @@ from typing import Any
 from colibri._ffi import ffi, lib
 from colibri.errors import error_for
 from colibri.hf.linears import DECODE_ROWS, weight_array
+from colibri.hf.norms import float_codes
 from colibri.hf.source_forms import function_form, source_form
 from colibri.kernels import linear
 from colibri.linear import PackedWeight, plain_weight
@@ -97,11 +98,6 @@ def router_form(cls: type) -> str | None:
     return next((name for name, known in _FORM_STATEMENTS.items() if known == form), None)
 
 
-def _codes() -> dict[Any, int]:
-    torch = sys.modules["torch"]
-    return {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
-
-
 def router_topk(logits: Any, k: int, renorm: bool, scores_dtype: Any = None) -> tuple[Any, Any]:
     """(scores, indices) of a softmax top-k routing of ``logits`` (a CPU
     torch tensor of rows of expert logits, float32 or bfloat16,
@@ -109,7 +105,7 @@ def router_topk(logits: Any, k: int, renorm: bool, scores_dtype: Any = None) -> 
     first, divided by their sum when ``renorm``, as ``scores_dtype``
     (float32 or bfloat16; default the logits'), and their experts (int64)."""
     torch = sys.modules["torch"]
-    codes = _codes()
+    codes = float_codes()
     scores_dtype = logits.dtype if scores_dtype is None else scores_dtype
     if logits.dtype not in codes or scores_dtype not in codes:
         raise TypeError(f"router_topk takes float32 or bfloat16 logits and scores, not {logits.dtype} "
@@ -154,7 +150,7 @@ def _native_forward(self: Any, hidden_states: Any) -> Any:
     own forward."""
     torch = sys.modules["torch"]
     w = self.weight
-    codes = _codes()
+    codes = float_codes()
     n_in = int(self.hidden_dim)
     rows = hidden_states.numel() // n_in if n_in else 0
     if 0 < rows <= DECODE_ROWS and hidden_states.dtype == w.dtype and w.dtype in codes \
