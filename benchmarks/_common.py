@@ -36,6 +36,19 @@ ns = time.perf_counter_ns
 
 # ---------------------------------------------------------------- timing --
 
+def timed_into(acc: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped to add the seconds each call takes to ``acc[key]``."""
+    clock = time.perf_counter
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] = acc.get(key, 0.0) + clock() - t0
+    return wrapper
+
+
 def timer_overhead_ns(samples: int = 20000) -> float:
     """Median cost of one back-to-back perf_counter_ns pair (subtracted from per-call samples)."""
     out = []

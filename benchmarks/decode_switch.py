@@ -6,11 +6,14 @@ alternate share that drift, so the ratio of the two medians shows what the
 switch changes. ``--switch routers`` toggles the native softmax top-k
 routers (``decode_routers``), ``norms`` the native RMS norms
 (``decode_norms``), ``rotary`` the native rotary embedding
-(``decode_rotary``). The model is any checkpoint colibri.hf loads, e.g. the
+(``decode_rotary``), ``kv_cache`` the key/value cache that appends in
+place (``grow_kv_cache``: two caches of the same prompt, one plain, used
+at alternate steps). The model is any checkpoint colibri.hf loads, e.g. the
 4-bit one ``benchmarks/generate.py --models DIR`` keeps in ``DIR/4bit/hf``.
 
     python benchmarks/decode_switch.py --model DIR --switch routers --threads 1
     python benchmarks/decode_switch.py --model DIR --switch rotary --threads 2
+    python benchmarks/decode_switch.py --model DIR --switch kv_cache --prompt-len 2048
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import sys
 import time
 from typing import Any
 
-SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__"}
+SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__",
+            "kv_cache": ""}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             for e in range(experts)])
     model.eval()
     marker = SWITCHES[args.switch]
+    if args.switch == "kv_cache":
+        return _kv_cache(args, model, config)
     if args.switch == "rotary":      # a function of each modeling module, not a module's forward
         names = {type(m).__module__ for m in model.modules()}
         switched = [(sys.modules[n], getattr(sys.modules[n], "apply_rotary_pos_emb")) for n in sorted(names)
@@ -83,6 +89,41 @@ def main(argv: list[str] | None = None) -> int:
     on, off = (statistics.median(times[k]) for k in (True, False))
     print(f"{args.switch} ({len(switched)} modules), {args.threads} thread(s), {args.steps} steps: "
           f"on {1e3 * on:.2f} ms, off {1e3 * off:.2f} ms a step (medians); on / off {on / off:.3f}")
+    return 0
+
+
+def _kv_cache(args: argparse.Namespace, model: Any, config: Any) -> int:
+    """Two caches of one prompt, growing in place and plain (a DynamicLayer
+    subclass, which the model's hook leaves alone), stepped alternately."""
+    import torch
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class PlainLayer(DynamicLayer):  # type: ignore[misc]
+        pass
+
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    outs: dict[bool, Any] = {}
+    with torch.no_grad():
+        for on in (True, False):
+            cache = DynamicCache()
+            if not on:
+                cache.layers = [PlainLayer() for _ in range(config.num_hidden_layers)]
+            outs[on] = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for step in range(args.steps):
+            on = step % 2 == 0
+            token = outs[on].logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            outs[on] = model(token, past_key_values=outs[on].past_key_values, use_cache=True)
+            times[on].append(time.perf_counter() - t0)
+            if step % 128 >= 126:       # both caches back to the prompt's length
+                outs[on].past_key_values.crop(-64)
+    kinds = {on: sorted({type(layer).__name__ for layer in outs[on].past_key_values.layers}) for on in outs}
+    model.colibri_close()
+    on_ms, off_ms = (statistics.median(times[k]) for k in (True, False))
+    print(f"kv_cache ({kinds[True]} against {kinds[False]}), {args.threads} thread(s), prompt {args.prompt_len}, "
+          f"{args.steps} steps: on {1e3 * on_ms:.2f} ms, off {1e3 * off_ms:.2f} ms a step (medians); "
+          f"on / off {on_ms / off_ms:.3f}")
     return 0
 
 

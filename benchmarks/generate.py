@@ -114,7 +114,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import _llama  # noqa: E402
-from _common import drop_caches  # noqa: E402
+from _common import drop_caches, timed_into  # noqa: E402
 from _prefill import GOAL as PREFILL_GOAL, PROMPT_TOKENS, TouchedExperts  # noqa: E402
 from _prefill import direct_read_time, prefill_ratio  # noqa: E402
 
@@ -509,22 +509,14 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
     torch.set_num_threads(plan["threads"])
     t_import = time.perf_counter() - t_start
     model_dir = plan["model"]
-    waited = [0.0]
+    waited = {"wait": 0.0}
     store = None
     runtime = None
     touched: Callable[[], dict[int, set[int]]] | None = None
     extra: dict[str, Any] = {}
 
     def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                waited[0] += clock() - t0
-        return wrapper
+        return timed_into(waited, "wait", fn)
 
     t0 = time.perf_counter()
     if config == "a":
@@ -572,7 +564,7 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
 
         def put(self, value: Any) -> None:
             stats.append(store.stats().as_dict() if store is not None else None)
-            marks.append((time.perf_counter(), waited[0], read_bytes()))
+            marks.append((time.perf_counter(), waited["wait"], read_bytes()))
             if len(marks) == 2 and touched is not None:     # the prompt's forward is done
                 extra["touched_experts"] = {str(layer): sorted(e) for layer, e in sorted(touched().items())}
 

@@ -10,6 +10,7 @@ from colibri.errors import ColibriError, FormatError
 from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED_MODEL_TYPES,
                                UnsupportedModelError, check_quantization, read_config)
 from colibri.hf.attention import use_decode_sdpa
+from colibri.hf.kv_cache import grow_given_cache
 from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.linears import use_decode_linears
 from colibri.hf.norms import use_decode_norms
@@ -42,6 +43,7 @@ def from_pretrained(
     decode_norms: bool = True,
     decode_routers: bool = True,
     decode_rotary: bool = True,
+    grow_kv_cache: bool = True,
     **store_options: Any,
 ) -> Any:
     """The transformers model of the checkpoint at ``path`` with its routed
@@ -83,6 +85,10 @@ def from_pretrained(
     rotary embedding function of the model's modeling module computes
     one-token calls natively, the same bits, for every model of that
     family in the process (:func:`~colibri.hf.rotary.use_decode_rotary`).
+    ``grow_kv_cache``: a transformers ``DynamicCache`` given to the model's
+    forward (as ``generate`` gives it) appends each step's keys and values
+    in place instead of copying the whole cache
+    (:mod:`colibri.hf.kv_cache`); the same values.
     Other keywords go to :func:`colibri.open_store`.
 
     Everything is checked and the store opened before transformers loads a
@@ -136,6 +142,9 @@ def from_pretrained(
             model.colibri.decode_threads = True
         if decode_attention:
             use_decode_sdpa(model)
+        if grow_kv_cache:
+            model.register_forward_pre_hook(grow_given_cache, with_kwargs=True)
+            model.colibri.grow_kv_cache = True
         return model
     except BaseException:
         store.close()

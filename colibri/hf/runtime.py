@@ -121,6 +121,8 @@ class Runtime:
         self.decode_blas = False
         #: True when a forward of a few rows gives torch's threads to the kernels (decode_threads).
         self.decode_threads = False
+        #: True when a DynamicCache given to the model appends in place (grow_kv_cache).
+        self.grow_kv_cache = False
         #: Called with (layer, top_k_index (tokens, k) int64 numpy, top_k_weights float32 numpy).
         self.routing: Callable[[int, np.ndarray, np.ndarray], None] | None = None
         self._predicted: dict[int, tuple[int, ...]] = {}
