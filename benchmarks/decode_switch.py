@@ -6,13 +6,16 @@ alternate share that drift, so the ratio of the two medians shows what the
 switch changes. ``--switch routers`` toggles the native softmax top-k
 routers (``decode_routers``), ``norms`` the native RMS norms
 (``decode_norms``), ``rotary`` the native rotary embedding
-(``decode_rotary``), ``kv_cache`` the key/value cache that appends in
-place (``grow_kv_cache``: two caches of the same prompt, one plain, used
-at alternate steps). The model is any checkpoint colibri.hf loads, e.g. the
+(``decode_rotary``), ``attention`` the native one-query attention
+(``attend_one_query``; off, the same steps use torch's SDPA with grouped
+heads), ``kv_cache`` the key/value cache that appends in place
+(``grow_kv_cache``: two caches of the same prompt, one plain, used at
+alternate steps). The model is any checkpoint colibri.hf loads, e.g. the
 4-bit one ``benchmarks/generate.py --models DIR`` keeps in ``DIR/4bit/hf``.
 
     python benchmarks/decode_switch.py --model DIR --switch routers --threads 1
     python benchmarks/decode_switch.py --model DIR --switch rotary --threads 2
+    python benchmarks/decode_switch.py --model DIR --switch attention --threads 2 --prompt-len 2048
     python benchmarks/decode_switch.py --model DIR --switch kv_cache --prompt-len 2048
 """
 
@@ -25,7 +28,7 @@ import time
 from typing import Any
 
 SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__",
-            "kv_cache": ""}
+            "attention": "_native_fits", "kv_cache": ""}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     marker = SWITCHES[args.switch]
     if args.switch == "kv_cache":
         return _kv_cache(args, model, config)
-    if args.switch == "rotary":      # a function of each modeling module, not a module's forward
+    if args.switch == "attention":   # the test that sends a decode step to the native attention
+        switched = [(sys.modules["colibri.hf.attention"], getattr(sys.modules["colibri.hf.attention"], marker))]
+    elif args.switch == "rotary":      # a function of each modeling module, not a module's forward
         names = {type(m).__module__ for m in model.modules()}
         switched = [(sys.modules[n], getattr(sys.modules[n], "apply_rotary_pos_emb")) for n in sorted(names)
                     if hasattr(getattr(sys.modules[n], "apply_rotary_pos_emb", None), marker)]
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         for module, native in switched:
             if args.switch == "rotary":
                 module.apply_rotary_pos_emb = native if on else getattr(native, marker)
+            elif args.switch == "attention":
+                module._native_fits = native if on else _never
             elif on:
                 module.forward = native
             else:
@@ -90,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.switch} ({len(switched)} modules), {args.threads} thread(s), {args.steps} steps: "
           f"on {1e3 * on:.2f} ms, off {1e3 * off:.2f} ms a step (medians); on / off {on / off:.3f}")
     return 0
+
+
+def _never(*args: Any) -> bool:
+    return False
 
 
 def _kv_cache(args: argparse.Namespace, model: Any, config: Any) -> int:

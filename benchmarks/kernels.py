@@ -65,6 +65,7 @@ import _common  # noqa: E402
 import colibri  # noqa: E402
 from colibri import kernels, moe  # noqa: E402
 from colibri._ffi import ffi, lib  # noqa: E402
+from colibri.compute_threads import compute_pool  # noqa: E402
 from colibri.synthetic_formats import write_format_checkpoint  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "mixtral-8x7b": (4096, 14336)}
@@ -131,7 +132,7 @@ def _c_entry(rot: Rotation, x: np.ndarray, threads: int, isa: str) -> Callable[[
         "out": ffi.cast("void *", out.ctypes.data), "out_format": code, "out_stride": x.shape[1],
         "tokens": x.shape[0], "isa": kernels.ISAS.index(isa)})
     err = ffi.new("char[]", lib.COLI_ERR_LEN)
-    pool = kernels._pool(threads)
+    pool = compute_pool(threads)
     entry, n, cursor = lib.coli_store_expert_ffn, len(views), [0]
 
     def run() -> None:

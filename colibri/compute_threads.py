@@ -3,22 +3,28 @@
 For torch tensors: :func:`torch_threads`'s number inside its block (per
 calling thread), else ``torch.get_num_threads()``. For numpy arrays:
 :func:`set_threads`'s number, else the CPUs this process may run on.
-:mod:`colibri.kernels` re-exports these.
+:mod:`colibri.kernels` re-exports these. :func:`compute_pool` keeps one
+native compute pool per thread count for the life of the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 import threading
 from typing import Any, Iterator
 
+from colibri._ffi import ffi, lib
+from colibri.errors import error_for
+
 __all__ = ["default_threads", "set_threads", "torch_threads"]
 
 _state_lock = threading.Lock()
 _threads: int | None = None               # set_threads's choice; None: the CPUs we may use
 _torch_override = threading.local()
+_pools: dict[int, Any] = {}               # threads -> ColiComputePool *
 
 
 def _cpus() -> int:
@@ -73,3 +79,32 @@ def check_threads(threads: Any) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
         raise ValueError(f"threads must be an int from 1 to 256, not {threads!r}")
     return threads
+
+
+def compute_pool(threads: int) -> Any:
+    """The ``ColiComputePool *`` native calls of ``threads`` threads share
+    (NULL for one thread: the calling thread computes alone), made at its
+    first use."""
+    if threads == 1:
+        return ffi.NULL
+    pool = _pools.get(threads)
+    if pool is not None:
+        return pool
+    with _state_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            out = ffi.new("ColiComputePool **")
+            err = ffi.new("char[]", 256)
+            rc = lib.coli_compute_pool_create(threads, out, err, 256)
+            if rc < 0:
+                raise error_for(rc, ffi.string(err).decode(errors="replace"))
+            pool = _pools[threads] = out[0]
+        return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _state_lock:
+        for pool in _pools.values():
+            lib.coli_compute_pool_destroy(pool)
+        _pools.clear()

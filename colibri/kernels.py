@@ -25,7 +25,6 @@ the tiles and how a format's kernel is added.
 
 from __future__ import annotations
 
-import atexit
 import sys
 import threading
 import weakref
@@ -37,7 +36,7 @@ import numpy as np
 from colibri._ffi import LeaseBase, copy_views, ffi, lib
 from colibri.errors import ColibriError, error_for
 from colibri.checkpoint.experts import ExpertTensors
-from colibri.compute_threads import check_threads, default_threads, set_threads, torch_threads
+from colibri.compute_threads import check_threads, compute_pool, default_threads, set_threads, torch_threads
 from colibri.formats import GPTQ
 from colibri.linear import PackedWeight
 
@@ -57,7 +56,6 @@ _VIEW_SIZE: int = ffi.sizeof("ColiExpertView")
 
 _state_lock = threading.Lock()
 _forced: int | None = None                # set_isa's choice; None: the process default
-_pools: dict[int, Any] = {}               # threads -> ColiComputePool *
 
 
 def _isa_number(name: str) -> int:
@@ -113,32 +111,6 @@ def kernel_name(lease: Any, role: str = "gate", isa: str | None = None) -> str:
         raise ColibriError(f"no kernel computes {info.scheme} {role} stored "
                            f"{'(in, out)' if info.transposed else '(out, in)'}")
     return str(ffi.string(name).decode())
-
-
-def _pool(threads: int) -> Any:
-    if threads == 1:
-        return ffi.NULL
-    pool = _pools.get(threads)
-    if pool is not None:
-        return pool
-    with _state_lock:
-        pool = _pools.get(threads)
-        if pool is None:
-            out = ffi.new("ColiComputePool **")
-            err = ffi.new("char[]", 256)
-            rc = lib.coli_compute_pool_create(threads, out, err, 256)
-            if rc < 0:
-                raise error_for(rc, ffi.string(err).decode(errors="replace"))
-            pool = _pools[threads] = out[0]
-        return pool
-
-
-@atexit.register
-def _close_pools() -> None:
-    with _state_lock:
-        for pool in _pools.values():
-            lib.coli_compute_pool_destroy(pool)
-        _pools.clear()
 
 
 def _address(a: np.ndarray) -> int:
@@ -289,7 +261,7 @@ def _call(xo: _Operand, oo: _Operand, threads: int | None, isa: str | None) -> t
         "x": ffi.cast("const void *", xo.address), "x_format": xo.code, "x_stride": xo.stride,
         "out": ffi.cast("void *", oo.address), "out_format": oo.code, "out_stride": oo.stride,
         "tokens": xo.tokens, "isa": number})
-    return call, _pool(threads)
+    return call, compute_pool(threads)
 
 
 def _run(handle: Any, views: Any, count: int, rows: Any, xo: _Operand, oo: _Operand,
@@ -350,7 +322,7 @@ def linear(weight: PackedWeight, x: Any, *, out: Any = None, threads: int | None
             "x": ffi.cast("const void *", x.data_ptr()), "x_format": code, "x_stride": n_in,
             "out": ffi.cast("void *", out.data_ptr()), "out_format": code, "out_stride": n_out,
             "tokens": tokens, "isa": _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO})
-        pool = _pool(default_threads(True) if threads is None else check_threads(threads))
+        pool = compute_pool(default_threads(True) if threads is None else check_threads(threads))
     else:
         xo, oo, out = _operands(x, out, n_in, n_out)
         call, pool = _call(xo, oo, threads, isa)
@@ -529,7 +501,7 @@ def moe_ffn(leases: Sequence[Any], x: Any, index: Any, pairs: Any, *, activation
         "pairs": ffi.cast("float *", p_at), "isa": number})
     err = ffi.new("char[]", _ERR_LEN)
     rc = lib.coli_store_moe_ffn(handle, views, n, call, ACTIVATIONS.index(activation), alpha, limit,
-                                _pool(threads), err, _ERR_LEN)
+                                compute_pool(threads), err, _ERR_LEN)
     if rc < 0:
         raise error_for(rc, ffi.string(err).decode(errors="replace"))
     return pairs

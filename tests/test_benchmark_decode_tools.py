@@ -1,4 +1,4 @@
-"""benchmarks/decode_profile.py and decode_switch.py's kv_cache switch run
+"""benchmarks/decode_profile.py and decode_switch.py's kv_cache and attention switches run
 end to end on a tiny model (in child processes: the profile wraps
 transformers' classes for the life of its process) and print their tables.
 
@@ -48,3 +48,9 @@ def test_decode_switch_compares_the_kv_caches(tiny: str) -> None:
     out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", "kv_cache", "--steps", "6",
                "--prompt-len", "16")
     assert "kv_cache (['GrowingLayer'] against ['PlainLayer'])" in out and "on / off" in out, out
+
+
+def test_decode_switch_toggles_the_native_attention(tiny: str) -> None:
+    out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", "attention", "--steps", "6",
+               "--prompt-len", "16")
+    assert "attention (1 modules), 1 thread(s), 6 steps" in out and "on / off" in out, out

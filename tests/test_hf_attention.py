@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 import colibri.hf as hf  # noqa: E402
-from colibri.hf.attention import DECODE_SDPA, decode_sdpa  # noqa: E402
+from colibri.hf.attention import DECODE_SDPA, attend_one_query, decode_sdpa  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,7 +87,8 @@ def test_one_query_matches_sdpa_and_the_reference(dtype: Any, bound: float, mask
                         lambda query, *a, **kw: shapes.append(tuple(query.shape)) or sdpa(query, *a, **kw))
     out, weights = decode_sdpa(layer, q, k, v, mask, scaling=0.125)
     monkeypatch.undo()
-    assert shapes == [(2, kv_heads, heads // kv_heads, 64)]    # over the key/value heads
+    # with a mask, torch's SDPA over the key/value heads; without, the native call
+    assert shapes == ([] if mask is None else [(2, kv_heads, heads // kv_heads, 64)])
     theirs, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.125)
     assert weights is None
     assert out.shape == theirs.shape == (2, 1, heads, 64) and out.dtype == dtype
@@ -98,6 +99,48 @@ def test_one_query_matches_sdpa_and_the_reference(dtype: Any, bound: float, mask
     # no further from the reference than transformers' own call, give or take a rounding
     assert ((out.double() - ref).abs().max().item()
             <= (theirs.double() - ref).abs().max().item() + bound * scale)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -7)])
+@pytest.mark.parametrize("heads, kv_heads, keys, room", [(16, 4, 300, 44), (12, 3, 17, 0), (8, 1, 65, 7),
+                                                         (32, 4, 5, 251), (6, 6, 40, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_native_call_reads_a_cache_with_room_to_spare(dtype: Any, bound: float, heads: int, kv_heads: int,
+                                                         keys: int, room: int, threads: int) -> None:
+    """Key and value views of buffers longer than the cache (as the growing
+    key/value cache returns them), any group size, on 1 and 2 threads."""
+    q, k, v = _tensors(2, heads, kv_heads, 1, keys + room, dtype, seed=heads * keys + room)
+    k, v = k[:, :, :keys], v[:, :, :keys]
+    out = attend_one_query(q, k, v, 0.125, threads=threads)
+    assert out.shape == (2, 1, heads, 64) and out.dtype == dtype and out.is_contiguous()
+    ref = _reference(q, k, v, None, 0.125)
+    assert (out.double() - ref).abs().max().item() <= bound * ref.abs().max().item()
+    assert torch.equal(out, attend_one_query(q, k, v, 0.125, threads=3 - threads))   # threads: the same bits
+
+
+def test_the_native_call_refuses_what_it_cannot_compute() -> None:
+    q, k, v = _tensors(1, 8, 2, 1, 20, torch.float32, seed=5)
+    for args, message in (((q, k.to(torch.bfloat16), v), "all be float32"),
+                          ((q.to(torch.float16), k.to(torch.float16), v.to(torch.float16)), "all be float32"),
+                          ((q, k[:, :1], v), "do not match"),
+                          ((torch.randn(1, 8, 2, 64), k, v), "one query"),
+                          ((q, k[..., ::2], v[..., ::2]), "do not match"),
+                          ((q, k[:, :, :0], v[:, :, :0]), "do not match"),
+                          ((q, k.transpose(2, 3).contiguous().transpose(2, 3), v), "contiguous")):
+        with pytest.raises(ValueError, match=message):
+            attend_one_query(*args)
+
+
+def test_autograd_and_dropout_take_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = _tensors(1, 8, 2, 1, 20, torch.float32, seed=6)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    decode_sdpa(_Layer(4), q.requires_grad_(True), k, v, None, scaling=0.1)
+    decode_sdpa(_Layer(4), q.detach(), k, v, None, dropout=0.5, scaling=0.1)
+    assert len(calls) == 2
+    decode_sdpa(_Layer(4), q.detach(), k, v, None, scaling=0.1)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("case", ["prefill", "one_group", "per_head_mask", "kv_heads_equal_heads"])

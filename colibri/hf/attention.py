@@ -11,14 +11,27 @@ group of query heads as that head's rows of queries), the same SDPA call
 takes 16, 38 and 205 us. :func:`decode_sdpa` is transformers' SDPA
 attention with that layout for every one-query step on the CPU;
 :func:`use_decode_sdpa` switches a model to it.
+
+A one-query step without a mask whose tensors are all float32 or all
+bfloat16 (the usual decode step of one sequence) goes instead to
+:func:`attend_one_query`, ``coli_decode_attention``: the query heads split
+over colibri's compute threads (the ones its kernels use in that step),
+products and softmax in float32. Its results differ from torch's in
+rounding only.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
-__all__ = ["DECODE_SDPA", "decode_sdpa", "register_sdpa_like", "use_decode_sdpa"]
+import colibri.kernels as kernels
+from colibri._ffi import ffi, lib
+from colibri.compute_threads import check_threads, compute_pool, default_threads
+from colibri.errors import error_for
+
+__all__ = ["DECODE_SDPA", "attend_one_query", "decode_sdpa", "register_sdpa_like", "use_decode_sdpa"]
 
 #: The attention implementation's name in transformers' registry.
 DECODE_SDPA = "colibri_sdpa"
@@ -52,6 +65,72 @@ def _torch_and_sdpa() -> tuple[Any, Any]:
     return _functions["torch"], _functions["forward"]
 
 
+def _formats() -> dict[Any, int]:
+    if "formats" not in _functions:
+        torch, _ = _torch_and_sdpa()
+        _functions["formats"] = {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
+    formats: dict[Any, int] = _functions["formats"]
+    return formats
+
+
+def attend_one_query(query: Any, key: Any, value: Any, scaling: float | None = None, *,
+                     threads: int | None = None) -> Any:
+    """Softmax attention of one query per head over all of a key/value
+    cache: ``query`` (batch, heads, 1, d), ``key`` (batch, kv_heads, n, d)
+    and ``value`` (batch, kv_heads, n, dv), CPU tensors of one dtype
+    (float32 or bfloat16) with contiguous last dimensions, ``heads`` a
+    multiple of ``kv_heads`` (query head h reads key/value head
+    ``h // (heads // kv_heads)``), ``scaling`` by default ``d ** -0.5``.
+    Returns (batch, 1, heads, dv), the layout transformers' attention
+    functions return. Computed by ``coli_decode_attention`` on ``threads``
+    compute threads (default: :func:`colibri.compute_threads.default_threads` for
+    torch tensors)."""
+    torch, _ = _torch_and_sdpa()
+    formats = _formats()
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[2] != 1:
+        raise ValueError(f"attention of one query: query {list(query.shape)}, key {list(key.shape)} and value "
+                         f"{list(value.shape)} must be (batch, heads, 1, d), (batch, kv_heads, n, d), "
+                         "(batch, kv_heads, n, dv)")
+    batch, heads, _, d = (int(n) for n in query.shape)
+    kv_heads, n = int(key.shape[1]), int(key.shape[2])
+    dv = int(value.shape[3])
+    if tuple(key.shape) != (batch, kv_heads, n, d) or tuple(value.shape[:3]) != (batch, kv_heads, n) \
+            or not kv_heads or heads % kv_heads or not n:
+        raise ValueError(f"attention of one query: query {list(query.shape)}, key {list(key.shape)} and value "
+                         f"{list(value.shape)} do not match (heads a multiple of kv_heads, n at least 1)")
+    if query.dtype not in formats or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"attention of one query: query, key and value must all be float32 or all bfloat16, "
+                         f"not {query.dtype}, {key.dtype} and {value.dtype}")
+    if not (query.is_cpu and key.is_cpu and value.is_cpu):
+        raise ValueError("attention of one query: CPU tensors only")
+    if key.stride(3) != 1 or value.stride(3) != 1:
+        raise ValueError("attention of one query: key and value rows must be contiguous")
+    if query.stride(3) != 1 or query.stride(1) != d or (batch > 1 and query.stride(0) != heads * d):
+        query = query.contiguous()
+    out = torch.empty((batch, 1, heads, dv), dtype=query.dtype)
+    call = ffi.new("ColiDecodeAttention *", {
+        "q": ffi.cast("const void *", query.data_ptr()), "k": ffi.cast("const void *", key.data_ptr()),
+        "v": ffi.cast("const void *", value.data_ptr()), "out": ffi.cast("void *", out.data_ptr()),
+        "batch": batch, "heads": heads, "kv_heads": kv_heads, "n": n, "d": d, "dv": dv,
+        "k_batch": key.stride(0), "k_head": key.stride(1), "k_token": key.stride(2),
+        "v_batch": value.stride(0), "v_head": value.stride(1), "v_token": value.stride(2),
+        "scale": 1.0 / math.sqrt(d) if scaling is None else float(scaling), "format": formats[query.dtype],
+        "isa": kernels.ISAS.index(kernels.default_isa())})
+    pool = compute_pool(default_threads(True) if threads is None else check_threads(threads))
+    err = ffi.new("char[]", 256)
+    rc = lib.coli_decode_attention(call, pool, err, 256)
+    if rc < 0:
+        raise error_for(rc, ffi.string(err).decode(errors="replace"))
+    return out
+
+
+def _native_fits(query: Any, key: Any, value: Any, attention_mask: Any, dropout: float) -> bool:
+    formats = _formats()
+    return attention_mask is None and not dropout and query.dtype in formats and key.dtype == query.dtype \
+        and value.dtype == query.dtype and key.stride(3) == 1 and value.stride(3) == 1 and key.shape[2] > 0 \
+        and not (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
 def decode_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                 dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                 **kwargs: Any) -> tuple[Any, None]:
@@ -63,6 +142,8 @@ def decode_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: A
     if not _packable(module, query, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    if _native_fits(query, key, value, attention_mask, dropout):
+        return attend_one_query(query, key, value, scaling), None
     batch, heads, _, dim = query.shape
     grouped = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
     out = torch.nn.functional.scaled_dot_product_attention(
