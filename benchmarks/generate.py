@@ -39,8 +39,11 @@ same for every engine):
                                128 KiB for the run, restored afterwards
     (g) llama.cpp in RAM       the GGUF read whole (no mmap), no limit: its ceiling
     (h) colibri in RAM         every expert cached and loaded at open, no limit
+    (i) colibri + PILOT, auto  (d) with ``capacity_bytes="auto"``: the cache
+                               fills what the limit leaves beside the runtime
+                               (as llama.cpp's page cache does), not a quarter
 
-(b)-(f) run under the limit, (a), (g), (h) without one (their peak is
+(b)-(f) and (i) run under the limit, (a), (g), (h) without one (their peak is
 recorded). Every run is a child process of its own, started cold: the page
 cache is dropped before it (``sync; echo 3 > drop_caches``) and the child
 runs in a cgroup-v1 memory cgroup whose limit counts page cache and
@@ -132,10 +135,11 @@ CONFIGS = {
     "f": "(f) llama.cpp mmap, RA 128K",
     "g": "(g) llama.cpp in RAM",
     "h": "(h) colibri in RAM",
+    "i": "(i) colibri + PILOT, cache auto",
 }
-LIMITED = frozenset("bcdef")    # under the format's memory limit
+LIMITED = frozenset("bcdefi")    # under the format's memory limit
 LLAMA = frozenset("efg")
-COLIBRI = frozenset("cdh")
+COLIBRI = frozenset("cdhi")
 FORMATS = ("bf16", "4bit")
 
 # The models written when --model is not given: Qwen3-MoE's layout (128
@@ -541,6 +545,8 @@ def child(config: str, out: Path, offload: Path, plan: dict[str, Any]) -> None:
             options: dict[str, Any] = dict(
                 slots_per_layer=plan["n_experts"], prefetch=None, prefetch_workers=0, direct_io=plan["direct_io"],
                 warm=[(layer, e) for layer in plan["layers"] for e in range(plan["n_experts"])])
+        elif config == "i":   # the cache fills what the limit leaves (capacity_bytes="auto")
+            options = dict(capacity_bytes="auto", prefetch="pilot", prefetch_workers=2, direct_io=plan["direct_io"])
         else:
             options = dict(slots_per_layer=plan["slots"], prefetch="pilot" if config == "d" else None,
                            prefetch_workers=2 if config == "d" else 0, direct_io=plan["direct_io"])
@@ -968,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
                         fmt(med([r["prefill_s"] for r in rs]), ".2f"),
                         fmt(med(ratio(key(f, t, "d"), k)), ".2f", "x") if run["config"] != "d" else "1x",
                         fmt(med([r["io_wait_share"] for r in rs]) * 100, ".1f", "%")
-                        if run["config"] in "bcd" else "-",
+                        if run["config"] in "bcdi" else "-",
                         fmt(hit * 100 if hit is not None else None, ".0f", "%"),
                         fmt(med([r["disk_mb_per_token"] for r in rs]), ".0f"),
                         fmt(med([r["memory"].get("peak", 0) for r in rs]) / 1e9, ".2f"),
@@ -977,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
                     ))
                 limit = pairs[f]["limit"] / 1e9
                 print(f"\n{f}, {t} thread{'s' if t > 1 else ''}: decode, median of {args.rounds} round(s), "
-                      f"ratios within a round; limit {limit:.2f} GB for (b)-(f); greedy predictions compared with "
+                      f"ratios within a round; limit {limit:.2f} GB for (b)-(f), (i); greedy predictions compared with "
                       f"{CONFIGS[refs[0].split('/')[2]] if refs else 'nothing'}")
                 print_table(("configuration", "tok/s", "ms/token", "prefill s", "(d) / this", "I/O wait",
                              "hit", "disk MB/tok", "peak GB", "max RSS GB", "same argmax"), rows)
@@ -1043,6 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
                 mmap = [key(f, t, c, q) for c in "ef" if key(f, t, c, q) in results]
                 if (v := ratio(d, mmap)):
                     goal(f"{f} {t}t (d) / best of (e),(f)", v, ">= 1.5x", med(v) >= 1.5)
+                if (v := ratio(key(f, t, "i"), mmap)):
+                    goal(f"{f} {t}t (i) / best of (e),(f)", v, ">= 1.5x", med(v) >= 1.5)
                 if (v := ratio(key(f, t, "h"), key(f, t, "g", q))):
                     goal(f"{f} {t}t (h) / (g) in RAM", v, ">= 0.8x", med(v) >= 0.8)
                 if (v := ratio(d, key(f, t, "b"))):

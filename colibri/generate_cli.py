@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from colibri.errors import FormatError
+from colibri.memory_room import ram_gb_argument
 
 __all__ = ["add_parser", "run"]
 
@@ -31,8 +32,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
     budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--ram-gb", type=float, default=None,
-                        help="RAM for the expert cache in GiB, split evenly across MoE layers")
+    budget.add_argument("--ram-gb", type=ram_gb_argument, default=None,
+                        help="RAM for the expert cache in GiB, split evenly across MoE layers; auto: what "
+                             "the machine or the memory cgroup leaves, less the rest of the model and a reserve")
     budget.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer")
     g.add_argument("--prefetch", choices=["pilot", "off"], default="pilot")
     g.add_argument("--kernels", choices=["native", "torch"], default="native",
@@ -96,12 +98,13 @@ class _Routing:
         self._pending.clear()
 
 
+
 def run(args: argparse.Namespace) -> int:
     import colibri.hf as hf
 
     if args.max_new_tokens < 1:
         raise FormatError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.ram_gb is not None and not args.ram_gb > 0:
+    if isinstance(args.ram_gb, float) and not args.ram_gb > 0:
         raise FormatError(f"--ram-gb must be > 0, got {args.ram_gb}")
     hf.read_config(args.model_dir)     # unsupported checkpoints fail before anything loads
     try:
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError(f"{args.model_dir}: no usable tokenizer ({exc})") from None
     budget: dict[str, Any] = {}
     if args.ram_gb is not None:
-        budget["capacity_bytes"] = int(args.ram_gb * 2**30)
+        budget["capacity_bytes"] = "auto" if args.ram_gb == "auto" else int(args.ram_gb * 2**30)
     if args.slots is not None:
         budget["slots_per_layer"] = args.slots
     err = sys.stderr

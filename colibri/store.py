@@ -33,6 +33,7 @@ from colibri.checkpoint.experts import ROLES, SOURCE_FIELDS, ExpertTensors, Mode
 from colibri.checkpoint.naming import AnyLayout
 from colibri.checkpoint.scan import scan_model
 from colibri.checkpoint.safetensors import ModelSource
+from colibri.memory_room import AVAILABLE_MEMORY_ENV, auto_capacity, available_memory
 from colibri.stats import StoreStats
 from colibri import usage as _usage
 
@@ -56,7 +57,6 @@ _U64_MAX = 2 ** (8 * ffi.sizeof("uint64_t")) - 1  # byte settings are uint64_t; 
 
 #: Environment variable that replaces MemAvailable (bytes) in the rule of
 #: ``direct_io="auto"``: to see what the store would pick on a smaller machine.
-AVAILABLE_MEMORY_ENV = "COLIBRI_AVAILABLE_MEMORY"
 
 
 def _policy_names() -> tuple[str, ...]:
@@ -633,29 +633,6 @@ class _Config:
         return ffi.gc(out[0], _destroy_handle)
 
 
-def _available_memory() -> int | None:
-    """Bytes the auto rule takes as available: the environment variable
-    AVAILABLE_MEMORY_ENV when set, else MemAvailable from /proc/meminfo;
-    None where neither says."""
-    raw = os.environ.get(AVAILABLE_MEMORY_ENV, "").strip()
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise FormatError(f"{AVAILABLE_MEMORY_ENV}={raw!r} is not a byte count >= 0")
-        return value
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _auto_direct_io(model: ModelExperts, slots_per_layer: SlotsPerLayer | None,
                     capacity_bytes: int | None) -> tuple[bool, str]:
     """The choice of ``direct_io="auto"`` and why: O_DIRECT when the routed
@@ -668,7 +645,7 @@ def _auto_direct_io(model: ModelExperts, slots_per_layer: SlotsPerLayer | None,
         slots = slots_per_layer or DEFAULT_SLOTS_PER_LAYER
         store = sum(min(slots[l] if isinstance(slots, Mapping) else slots, model.num_experts(l))
                     * model.expert_nbytes(l) for l in model.layers)
-    available = _available_memory()
+    available = available_memory()
     if available is None:
         return False, "available memory unknown (no MemAvailable): reading through the page cache"
     left = available - store
@@ -736,7 +713,7 @@ def open_store(
     *,
     layout: Union[str, AnyLayout] = "auto",
     slots_per_layer: SlotsPerLayer | None = None,
-    capacity_bytes: int | None = None,
+    capacity_bytes: int | Literal["auto"] | None = None,
     prefetch_workers: int = 2,
     direct_io: Union[bool, Literal["auto"]] = "auto",
     slot_wait_timeout: float | None = 5.0,
@@ -763,7 +740,12 @@ def open_store(
     them. Give at most one budget: ``slots_per_layer`` (capped at each layer's
     expert count; an int for every layer, or a mapping from each layer to its
     slots) or ``capacity_bytes`` (split evenly across layers); with neither,
-    every layer gets ``DEFAULT_SLOTS_PER_LAYER`` slots. ``policy`` (one of
+    every layer gets ``DEFAULT_SLOTS_PER_LAYER`` slots. ``capacity_bytes="auto"``
+    fills the memory this process may still take, cgroup limits included
+    (:func:`colibri.memory_room.available_memory`), less the checkpoint's
+    other tensors and a reserve of a quarter of it (at least 512 MiB) for
+    the engine's activations and allocations: the size is logged and in
+    ``store.stats().capacity_bytes``. ``policy`` (one of
     ``POLICIES``; "lru" by default) chooses each layer's victims. ``pin``
     lists (layer, expert) pairs kept resident for good: each takes one of its
     layer's slots (pinned plus the rest never exceed the budget; a layer
@@ -788,8 +770,9 @@ def open_store(
     ``direct_io`` says how misses read the disk. ``"auto"`` (the default)
     reads with O_DIRECT, past the page cache, when the model's routed
     experts are larger than the memory the page cache could keep them in:
-    MemAvailable (or the environment variable ``COLIBRI_AVAILABLE_MEMORY``,
-    in bytes) minus the store's own capacity. Such a model cannot stay
+    the available memory (MemAvailable and any cgroup limit's room, or the
+    environment variable ``COLIBRI_AVAILABLE_MEMORY``, in bytes) minus the
+    store's own capacity. Such a model cannot stay
     cached, so the page cache would only copy every miss once more; a model
     that fits keeps buffered reads, and its misses run at memory speed once
     the files are cached (also across restarts). ``True`` and ``False``
@@ -825,8 +808,12 @@ def open_store(
     """
     if slots_per_layer is not None and capacity_bytes is not None:
         raise FormatError("give slots_per_layer or capacity_bytes, not both")
-    if capacity_bytes is not None:
-        capacity_bytes = _count(capacity_bytes, "capacity_bytes", minimum=1)
+    auto = capacity_bytes == "auto"
+    if isinstance(capacity_bytes, str) and not auto:
+        raise FormatError(f'capacity_bytes must be an int or "auto", not {capacity_bytes!r}')
+    budget: int | None = None
+    if capacity_bytes is not None and not auto:
+        budget = _count(capacity_bytes, "capacity_bytes", minimum=1)
     if slots_per_layer is None and capacity_bytes is None:
         slots_per_layer = DEFAULT_SLOTS_PER_LAYER
     prefetch_workers = _count(prefetch_workers, "prefetch_workers", minimum=0)
@@ -842,6 +829,9 @@ def open_store(
     if slots_per_layer is not None and not isinstance(slots_per_layer, Mapping):
         slots_per_layer = _slots(slots_per_layer, ())
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
+    if auto:
+        budget, why = auto_capacity(model, available_memory())
+        log.info('capacity_bytes="auto": %s', why)
     if slots_per_layer is not None:
         slots_per_layer = _slots(slots_per_layer, model.layers)
     history = None
@@ -856,13 +846,13 @@ def open_store(
     if warm_start and history is None:
         raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
     if direct_io == "auto":
-        direct, why = _auto_direct_io(model, slots_per_layer, capacity_bytes)
+        direct, why = _auto_direct_io(model, slots_per_layer, budget)
         log.info("direct_io=auto: %s", why)
     else:
         direct = direct_io
     options = StoreOptions(
         slots_per_layer=slots_per_layer,
-        capacity_bytes=capacity_bytes,
+        capacity_bytes=budget,
         prefetch_workers=prefetch_workers,
         direct_io=direct,
         slot_wait_timeout=slot_wait_timeout,

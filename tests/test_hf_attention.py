@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 import colibri.hf as hf  # noqa: E402
-from colibri.hf.attention import DECODE_SDPA, attend_one_query, decode_sdpa  # noqa: E402
+from colibri.hf.attention import DECODE_SDPA, GROUPED_SDPA, attend_one_query, decode_sdpa  # noqa: E402
 from colibri.tiny_moe import write_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -181,6 +181,28 @@ def test_from_pretrained_switches_sdpa_models(tiny: str, decode_attention: bool,
         from colibri.serve.batch import batchable
 
         assert batchable(model) is None
+    finally:
+        model.colibri_close()
+
+
+def test_torch_kernels_keep_torchs_attention(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels="torch" rounds as stock transformers: its one-query steps
+    take torch's grouped SDPA, never the native call."""
+    import colibri.hf.attention as attention
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the native attention ran under kernels='torch'")
+
+    monkeypatch.setattr(attention, "attend_one_query", refuse)
+    model = hf.from_pretrained(tiny, torch_dtype=torch.bfloat16, slots_per_layer=2, prefetch=None,
+                               kernels="torch")
+    try:
+        assert model.config._attn_implementation == GROUPED_SDPA
+        from colibri.serve.batch import batchable
+
+        assert batchable(model) is None
+        with torch.no_grad():
+            model.generate(torch.tensor([[3, 9, 4, 7, 2]]), max_new_tokens=4, do_sample=False, pad_token_id=1)
     finally:
         model.colibri_close()
 

@@ -81,6 +81,31 @@ def test_generate_prefetch_off_and_ram_budget(tiny: str, capsys: pytest.CaptureF
     assert "prefetch precision off" in out.err and "torch kernels" in out.err
 
 
+def test_generate_ram_auto_fills_the_memory_left(tiny: str, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ram-gb auto with COLIBRI_AVAILABLE_MEMORY: the reserve, the rest of
+    the checkpoint and 3 experts a layer give the slots of a budget of 3
+    experts a layer (fewer where slots round up to pages)."""
+    from colibri.checkpoint.scan import scan_model
+    from colibri.memory_room import AUTO_RESERVE_MIN_BYTES
+
+    experts = scan_model(tiny)
+    routed = sum(experts.expert_nbytes(l) * experts.num_experts(l) for l in experts.layers)
+    rest = sum(os.path.getsize(f) for f in experts.files) - routed
+    per_layer = experts.expert_nbytes(experts.layers[0])
+    budget = 3 * len(experts.layers) * per_layer
+    monkeypatch.setenv("COLIBRI_AVAILABLE_MEMORY", str(AUTO_RESERVE_MIN_BYTES + rest + budget))
+    with colibri.open_store(tiny, capacity_bytes=budget, prefetch_workers=0) as store:
+        slots = store.slots(experts.layers[0])
+    assert 1 <= slots <= 3
+    want, _ = _stock_text(tiny)
+    rc = cli_main(["generate", tiny, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--ram-gb", "auto"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.strip() == want.strip()
+    assert f"{slots} slots per layer" in out.err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--slots", "0"], "slots_per_layer must be >= 1"),
     (["--ram-gb", "0.000000001"], "too small"),
@@ -90,6 +115,13 @@ def test_generate_bad_input_exits_2(tiny: str, capsys: pytest.CaptureFixture[str
     rc = cli_main(["generate", tiny, "--prompt", PROMPT, *argv])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_ram_gb_other_words_are_refused(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["generate", tiny, "--prompt", PROMPT, "--ram-gb", "lots"])
+    assert exit_info.value.code == 2
+    assert "a number of GiB or auto, not 'lots'" in capsys.readouterr().err
 
 
 def test_generate_unsupported_checkpoint(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,9 @@ bfloat16 (the usual decode step of one sequence) goes instead to
 :func:`attend_one_query`, ``coli_decode_attention``: the query heads split
 over colibri's compute threads (the ones its kernels use in that step),
 products and softmax in float32. Its results differ from torch's in
-rounding only.
+rounding only, so a ``kernels="torch"`` model, which rounds as stock
+transformers does, takes :func:`grouped_sdpa` instead: the same function
+without the native call.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from colibri._ffi import ffi, lib
 from colibri.compute_threads import check_threads, compute_pool, default_threads
 from colibri.errors import error_for
 
-__all__ = ["DECODE_SDPA", "attend_one_query", "decode_sdpa", "register_sdpa_like", "use_decode_sdpa"]
+__all__ = ["DECODE_SDPA", "GROUPED_SDPA", "attend_one_query", "decode_sdpa", "grouped_sdpa", "register_sdpa_like",
+           "use_decode_sdpa"]
 
-#: The attention implementation's name in transformers' registry.
+#: The attention implementations' names in transformers' registry.
 DECODE_SDPA = "colibri_sdpa"
+GROUPED_SDPA = "colibri_sdpa_grouped"
 
 # Keywords that change what SDPA computes: a call with any of them set goes
 # to transformers' own function unchanged.
@@ -135,15 +139,26 @@ def decode_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: A
                 dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                 **kwargs: Any) -> tuple[Any, None]:
     """transformers' ``sdpa`` attention function, with one-query steps of a
-    grouped-query layer on the CPU computed over the key/value heads (query
-    (batch, heads, 1, dim) as (batch, kv_heads, heads / kv_heads, dim)).
-    Returns (batch, 1, heads, dim) and None, as transformers' does."""
+    grouped-query layer on the CPU computed over the key/value heads:
+    natively (:func:`attend_one_query`) when they have no mask and float32
+    or bfloat16 tensors, else torch's SDPA with the query (batch, heads, 1,
+    dim) as (batch, kv_heads, heads / kv_heads, dim). Returns (batch, 1,
+    heads, dim) and None, as transformers' does."""
+    if _packable(module, query, attention_mask, kwargs) and _native_fits(query, key, value, attention_mask, dropout):
+        return attend_one_query(query, key, value, scaling), None
+    return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def grouped_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                 dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                 **kwargs: Any) -> tuple[Any, None]:
+    """:func:`decode_sdpa` with torch's SDPA for every step (the grouped
+    layout for one-query steps): what ``kernels="torch"`` models use, which
+    round as stock transformers does."""
     torch, sdpa_attention_forward = _torch_and_sdpa()
     if not _packable(module, query, attention_mask, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if _native_fits(query, key, value, attention_mask, dropout):
-        return attend_one_query(query, key, value, scaling), None
     batch, heads, _, dim = query.shape
     grouped = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -170,12 +185,13 @@ def register_sdpa_like(name: str, function: Any) -> None:
         _registered.add(name)
 
 
-def use_decode_sdpa(model: Any) -> bool:
+def use_decode_sdpa(model: Any, native: bool = True) -> bool:
     """Switches a model whose attention is transformers' ``sdpa`` to
-    :func:`decode_sdpa`; True if it did (another implementation is left
-    alone)."""
+    :func:`decode_sdpa` (``native=False``: :func:`grouped_sdpa`); True if
+    it did (another implementation is left alone)."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
-    register_sdpa_like(DECODE_SDPA, decode_sdpa)
-    model.set_attn_implementation(DECODE_SDPA)
+    name, function = (DECODE_SDPA, decode_sdpa) if native else (GROUPED_SDPA, grouped_sdpa)
+    register_sdpa_like(name, function)
+    model.set_attn_implementation(name)
     return True

@@ -28,7 +28,7 @@ _PREFETCH_CHOICES = ("pilot", "off", None)
 def from_pretrained(
     path: str | os.PathLike[str],
     *,
-    capacity_bytes: int | None = None,
+    capacity_bytes: int | str | None = None,
     slots_per_layer: int | None = None,
     prefetch: str | None = "pilot",
     prefetch_workers: int = 2,
@@ -50,7 +50,8 @@ def from_pretrained(
     experts served by a colibri store.
 
     ``capacity_bytes`` / ``slots_per_layer`` are the store's budget (at most
-    one; neither: the store's default), ``prefetch="pilot"`` turns PILOT on,
+    one; neither: the store's default; ``capacity_bytes="auto"`` fills the
+    memory left, see :func:`colibri.open_store`), ``prefetch="pilot"`` turns PILOT on,
     ``"off"`` or None off (the store then starts no I/O workers, whatever
     ``prefetch_workers`` says), ``direct_io`` reads with O_DIRECT,
     ``torch_dtype`` is transformers' ``dtype`` (None: what
@@ -67,8 +68,10 @@ def from_pretrained(
     token runs with oneDNN off, so its bfloat16 linear layers take MKL's
     matrix-vector product (:class:`~colibri.hf.runtime.OneTokenBlas`).
     ``decode_attention`` (a model with transformers' SDPA attention): its
-    one-token steps of grouped-query attention run over the key/value heads
-    (:func:`~colibri.hf.attention.decode_sdpa`). ``decode_linears`` (with
+    one-token steps of grouped-query attention run over the key/value heads,
+    natively with ``kernels="native"``
+    (:func:`~colibri.hf.attention.decode_sdpa`), with torch's SDPA otherwise
+    (:func:`~colibri.hf.attention.grouped_sdpa`). ``decode_linears`` (with
     ``kernels="native"``): the linear layers left in float32 or bfloat16
     compute forwards of up to 4 rows without autograd with colibri's kernel
     on their own weights (:func:`~colibri.hf.linears.use_decode_linears`),
@@ -141,7 +144,7 @@ def from_pretrained(
             model.register_forward_hook(threads.after, with_kwargs=True, always_call=True)
             model.colibri.decode_threads = True
         if decode_attention:
-            use_decode_sdpa(model)
+            use_decode_sdpa(model, native=kernels == "native")
         if grow_kv_cache:
             model.register_forward_pre_hook(grow_given_cache, with_kwargs=True)
             model.colibri.grow_kv_cache = True

@@ -16,7 +16,8 @@ masks and longer key ranges change the reductions. So the model runs with
 the ``"colibri_rows"`` attention (registered in transformers'
 ``AttentionInterface``), which, while a :class:`Layout` is active, computes
 attention for each prompt segment or each decode row by itself, with
-colibri.hf's SDPA function (:func:`colibri.hf.attention.decode_sdpa`) called
+colibri.hf's SDPA function (:func:`colibri.hf.attention.decode_sdpa`, or
+``grouped_sdpa`` for a ``kernels="torch"`` model, then ``"colibri_rows_grouped"``) called
 on exactly the shapes a lone sequence has (its own keys, no mask, causal for
 a prompt). Outside a layout it is that function alone. Positions are each sequence's own. What a batch still changes is
 the row count of the matrix products (projections, experts, the LM head):
@@ -30,12 +31,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from colibri.hf.attention import DECODE_SDPA, decode_sdpa, register_sdpa_like
+from colibri.hf.attention import DECODE_SDPA, GROUPED_SDPA, decode_sdpa, grouped_sdpa, register_sdpa_like
 
-__all__ = ["ATTENTION", "Layout", "batchable", "use_row_attention", "BatchCache", "new_cache"]
+__all__ = ["ATTENTION", "GROUPED_ATTENTION", "Layout", "batchable", "use_row_attention", "BatchCache", "new_cache"]
 
-#: The name of the per-row attention in transformers' attention and mask interfaces.
+#: The names of the per-row attention in transformers' attention and mask
+#: interfaces, over decode_sdpa and over grouped_sdpa.
 ATTENTION = "colibri_rows"
+GROUPED_ATTENTION = "colibri_rows_grouped"
 
 
 @dataclass(frozen=True)
@@ -69,29 +72,36 @@ class active:
         _current.layout = None
 
 
-def _row_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
-                   **kwargs: Any) -> tuple[Any, None]:
-    """colibri.hf's SDPA, one sequence at a time while a :class:`Layout` is active."""
-    import torch
+def _rows_over(inner: Any) -> Any:
+    """The row attention over ``inner`` (colibri.hf's SDPA function the
+    model had: :func:`~colibri.hf.attention.decode_sdpa`, or
+    :func:`~colibri.hf.attention.grouped_sdpa` for ``kernels="torch"``)."""
 
-    layout: Layout | None = getattr(_current, "layout", None)
-    if layout is None:
-        return decode_sdpa(module, query, key, value, attention_mask, **kwargs)
-    outs = []
-    if layout.segments is not None:
-        # One row of packed prompts: each attends causally to its own keys only.
-        for start, end in layout.segments:
-            out, _ = decode_sdpa(module, query[:, :, start:end], key[:, :, start:end],
-                                            value[:, :, start:end], None, **kwargs)
+    def row_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                      **kwargs: Any) -> tuple[Any, None]:
+        """``inner``, one sequence at a time while a :class:`Layout` is active."""
+        import torch
+
+        layout: Layout | None = getattr(_current, "layout", None)
+        if layout is None:
+            return inner(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+        outs = []
+        if layout.segments is not None:
+            # One row of packed prompts: each attends causally to its own keys only.
+            for start, end in layout.segments:
+                out, _ = inner(module, query[:, :, start:end], key[:, :, start:end],
+                               value[:, :, start:end], None, **kwargs)
+                outs.append(out)
+            return torch.cat(outs, dim=1), None
+        assert layout.lengths is not None and len(layout.lengths) == query.shape[0]
+        width = key.shape[2]
+        for row, n in enumerate(layout.lengths):
+            out, _ = inner(module, query[row:row + 1], key[row:row + 1, :, width - n:],
+                           value[row:row + 1, :, width - n:], None, **kwargs)
             outs.append(out)
-        return torch.cat(outs, dim=1), None
-    assert layout.lengths is not None and len(layout.lengths) == query.shape[0]
-    width = key.shape[2]
-    for row, n in enumerate(layout.lengths):
-        out, _ = decode_sdpa(module, query[row:row + 1], key[row:row + 1, :, width - n:],
-                                        value[row:row + 1, :, width - n:], None, **kwargs)
-        outs.append(out)
-    return torch.cat(outs, dim=0), None
+        return torch.cat(outs, dim=0), None
+
+    return row_attention
 
 
 def batchable(model: Any) -> str | None:
@@ -102,7 +112,7 @@ def batchable(model: Any) -> str | None:
     the way :class:`BatchCache` does)."""
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", DECODE_SDPA, ATTENTION):
+    if impl not in ("sdpa", DECODE_SDPA, GROUPED_SDPA, ATTENTION, GROUPED_ATTENTION):
         return f"its attention implementation is {impl!r}, not 'sdpa'"
     types = set(getattr(config, "layer_types", None) or ())
     if types - {"full_attention"}:
@@ -115,8 +125,13 @@ def batchable(model: Any) -> str | None:
 def use_row_attention(model: Any) -> None:
     """Switch ``model`` (SDPA, see :func:`batchable`) to the row attention."""
     # Outside a layout the function is SDPA, so it gets SDPA's masks.
-    register_sdpa_like(ATTENTION, _row_attention)
-    model.set_attn_implementation(ATTENTION)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl in (GROUPED_SDPA, GROUPED_ATTENTION):
+        register_sdpa_like(GROUPED_ATTENTION, _rows_over(grouped_sdpa))
+        model.set_attn_implementation(GROUPED_ATTENTION)
+    else:
+        register_sdpa_like(ATTENTION, _rows_over(decode_sdpa))
+        model.set_attn_implementation(ATTENTION)
 
 
 def new_cache(model: Any) -> Any:

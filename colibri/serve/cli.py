@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from colibri.errors import ColibriError, FormatError
+from colibri.memory_room import ram_gb_argument
 from colibri.serve.server import DEFAULT_POLICY
 from colibri.store import POLICIES
 
@@ -32,8 +33,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
     budget = s.add_mutually_exclusive_group()
-    budget.add_argument("--ram-gb", type=float, default=None,
-                        help="RAM for the expert cache in GiB, split evenly across MoE layers")
+    budget.add_argument("--ram-gb", type=ram_gb_argument, default=None,
+                        help="RAM for the expert cache in GiB, split evenly across MoE layers; auto: what "
+                             "the machine or the memory cgroup leaves, less the rest of the model and a reserve")
     budget.add_argument("--slots", type=int, default=None, help="expert slots per MoE layer")
     s.add_argument("--prefetch", choices=["pilot", "off"], default="pilot")
     s.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1:
         raise FormatError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.ram_gb is not None and not args.ram_gb > 0:
+    if isinstance(args.ram_gb, float) and not args.ram_gb > 0:
         raise FormatError(f"--ram-gb must be > 0, got {args.ram_gb}")
     if args.slots is not None and args.slots < 1:
         raise FormatError(f"--slots must be >= 1, got {args.slots}")

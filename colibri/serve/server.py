@@ -28,10 +28,11 @@ __all__ = ["load", "eos_ids", "bind", "Server", "DEFAULT_POLICY"]
 DEFAULT_POLICY = "cooc"
 
 
-def load(model_dir: str, *, ram_gb: float | None = None, slots: int | None = None, prefetch: str = "pilot",
+def load(model_dir: str, *, ram_gb: float | str | None = None, slots: int | None = None, prefetch: str = "pilot",
          policy: str = DEFAULT_POLICY, out: TextIO | None = None) -> tuple[Any, Any]:
     """The tokenizer and the :func:`colibri.hf.from_pretrained` model of
-    ``model_dir`` (``ram_gb``: the expert cache in GiB; ``slots``: slots per
+    ``model_dir`` (``ram_gb``: the expert cache in GiB, or ``"auto"``: see
+    ``open_store(capacity_bytes="auto")``; ``slots``: slots per
     MoE layer; neither: the store's default; ``policy``: the store's eviction
     policy, one of :data:`colibri.POLICIES`). Progress goes to ``out``."""
     import colibri.hf as hf
@@ -50,7 +51,7 @@ def load(model_dir: str, *, ram_gb: float | None = None, slots: int | None = Non
         raise ColibriError(f"{model_dir}: no usable tokenizer ({exc})") from None
     budget: dict[str, Any] = {}
     if ram_gb is not None:
-        budget["capacity_bytes"] = int(ram_gb * 2**30)
+        budget["capacity_bytes"] = "auto" if ram_gb == "auto" else int(float(ram_gb) * 2**30)
     if slots is not None:
         budget["slots_per_layer"] = slots
     print(f"colibri serve: loading {model_dir} (the non-expert weights; the experts stay on disk)",
