@@ -98,7 +98,6 @@ class _Routing:
         self._pending.clear()
 
 
-
 def run(args: argparse.Namespace) -> int:
     import colibri.hf as hf
 

@@ -28,6 +28,7 @@ from colibri.errors import FormatError
 __all__ = ["AUTO_RESERVE_MIN_BYTES", "AUTO_RESERVE_SHARE", "AVAILABLE_MEMORY_ENV", "auto_capacity",
            "available_memory", "ram_gb_argument"]
 
+#: bytes that replace the available memory: to see what the store would pick on a smaller machine
 AVAILABLE_MEMORY_ENV = "COLIBRI_AVAILABLE_MEMORY"
 #: the reserve ``capacity_bytes="auto"`` leaves: available // AUTO_RESERVE_SHARE, at least AUTO_RESERVE_MIN_BYTES
 AUTO_RESERVE_SHARE = 4

@@ -55,9 +55,6 @@ _ERR_LEN: int = lib.COLI_ERR_LEN
 _INT_MAX = 2 ** (8 * ffi.sizeof("int") - 1) - 1  # keys are C ints
 _U64_MAX = 2 ** (8 * ffi.sizeof("uint64_t")) - 1  # byte settings are uint64_t; C caps them further
 
-#: Environment variable that replaces MemAvailable (bytes) in the rule of
-#: ``direct_io="auto"``: to see what the store would pick on a smaller machine.
-
 
 def _policy_names() -> tuple[str, ...]:
     names: list[str] = []
