@@ -68,6 +68,15 @@ def _isa_number(name: str) -> int:
     return number
 
 
+def call_isa(isa: str | None = None) -> int:
+    """The ``COLI_FFN_ISA_*`` number a native call is given: path ``isa``
+    (checked), else :func:`set_isa`'s, else AUTO (the C side resolves it to
+    ``COLIBRI_KERNEL_ISA``'s or the best the CPU runs)."""
+    if isa is not None:
+        return _isa_number(isa)
+    return _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO
+
+
 def available_isas() -> tuple[str, ...]:
     """The paths this CPU and build can run, the portable scalar one first."""
     return tuple(n for i, n in enumerate(ISAS) if lib.coli_ffn_isa_supported(i))
@@ -255,8 +264,7 @@ def _operands(x: Any, out: Any, hidden: int, outputs: int | None = None) -> tupl
 def _call(xo: _Operand, oo: _Operand, threads: int | None, isa: str | None) -> tuple[Any, Any]:
     """The ``ColiFfnCall *`` of x and out, and the compute pool of ``threads``."""
     threads = default_threads(xo.torch) if threads is None else check_threads(threads)
-    number = _isa_number(isa) if isa is not None else (
-        _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
+    number = call_isa(isa)
     call = ffi.new("ColiFfnCall *", {
         "x": ffi.cast("const void *", xo.address), "x_format": xo.code, "x_stride": xo.stride,
         "out": ffi.cast("void *", oo.address), "out_format": oo.code, "out_stride": oo.stride,
@@ -321,7 +329,7 @@ def linear(weight: PackedWeight, x: Any, *, out: Any = None, threads: int | None
         call = ffi.new("ColiFfnCall *", {
             "x": ffi.cast("const void *", x.data_ptr()), "x_format": code, "x_stride": n_in,
             "out": ffi.cast("void *", out.data_ptr()), "out_format": code, "out_stride": n_out,
-            "tokens": tokens, "isa": _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO})
+            "tokens": tokens, "isa": call_isa()})
         pool = compute_pool(default_threads(True) if threads is None else check_threads(threads))
     else:
         xo, oo, out = _operands(x, out, n_in, n_out)
@@ -491,8 +499,7 @@ def moe_ffn(leases: Sequence[Any], x: Any, index: Any, pairs: Any, *, activation
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, not {activation!r}")
     threads = default_threads(not isinstance(x, np.ndarray)) if threads is None else check_threads(threads)
-    number = _isa_number(isa) if isa is not None else (
-        _forced if _forced is not None else lib.COLI_FFN_ISA_AUTO)
+    number = call_isa(isa)
     views = ffi.new("ColiExpertView[]", n)
     copy_views(leases, int(ffi.cast("uintptr_t", views)))
     call = ffi.new("ColiMoeCall *", {

@@ -62,7 +62,7 @@ def auto_capacity(model: ModelExperts, available: int | None) -> tuple[int, str]
     if available is None:
         raise FormatError(f'capacity_bytes="auto": the available memory is unknown here (no MemAvailable in '
                           f"/proc/meminfo, no cgroup limit); set {AVAILABLE_MEMORY_ENV} or give capacity_bytes")
-    experts = sum(model.expert_nbytes(l) * model.num_experts(l) for l in model.layers)
+    experts = model.routed_nbytes()
     stored = 0
     for name in model.files:
         try:
@@ -161,7 +161,9 @@ def _v1_room(mount: Path, relative: str) -> int | None:
     if directory is None:
         return None
     stat = _stat(directory)
-    limit = stat.get("hierarchical_memory_limit", _read_int(directory / "memory.limit_in_bytes"))
+    limit = stat.get("hierarchical_memory_limit")
+    if limit is None:
+        limit = _read_int(directory / "memory.limit_in_bytes")
     usage = _read_int(directory / "memory.usage_in_bytes")
     if limit is None or usage is None or limit >= _NO_LIMIT:
         return None

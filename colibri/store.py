@@ -631,20 +631,19 @@ class _Config:
 
 
 def _auto_direct_io(model: ModelExperts, slots_per_layer: SlotsPerLayer | None,
-                    capacity_bytes: int | None) -> tuple[bool, str]:
+                    capacity_bytes: int | None, available: int | None) -> tuple[bool, str]:
     """The choice of ``direct_io="auto"`` and why: O_DIRECT when the routed
     experts are larger than the memory left for the page cache once the
-    store holds its capacity (available memory minus the store's bytes)."""
-    experts = sum(model.expert_nbytes(l) * model.num_experts(l) for l in model.layers)
+    store holds its capacity (``available`` memory minus the store's bytes)."""
+    experts = model.routed_nbytes()
     if capacity_bytes is not None:
         store = capacity_bytes
     else:
         slots = slots_per_layer or DEFAULT_SLOTS_PER_LAYER
         store = sum(min(slots[l] if isinstance(slots, Mapping) else slots, model.num_experts(l))
                     * model.expert_nbytes(l) for l in model.layers)
-    available = available_memory()
     if available is None:
-        return False, "available memory unknown (no MemAvailable): reading through the page cache"
+        return False, "available memory unknown (no MemAvailable, no cgroup limit): reading through the page cache"
     left = available - store
     direct = experts > left
     return direct, (
@@ -826,8 +825,10 @@ def open_store(
     if slots_per_layer is not None and not isinstance(slots_per_layer, Mapping):
         slots_per_layer = _slots(slots_per_layer, ())
     model = scan_model(path, layout=layout)  # type: ignore[arg-type]
+    # read once: the auto budget and the auto read mode see the same figure
+    available = available_memory() if auto or direct_io == "auto" else None
     if auto:
-        budget, why = auto_capacity(model, available_memory())
+        budget, why = auto_capacity(model, available)
         log.info('capacity_bytes="auto": %s', why)
     if slots_per_layer is not None:
         slots_per_layer = _slots(slots_per_layer, model.layers)
@@ -843,7 +844,7 @@ def open_store(
     if warm_start and history is None:
         raise FormatError("warm_start loads the hottest experts of a usage history: give usage_file")
     if direct_io == "auto":
-        direct, why = _auto_direct_io(model, slots_per_layer, budget)
+        direct, why = _auto_direct_io(model, slots_per_layer, budget, available)
         log.info("direct_io=auto: %s", why)
     else:
         direct = direct_io

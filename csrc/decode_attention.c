@@ -102,6 +102,19 @@ static AVX512 __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
+/* row[j] = exp(row[j] - max) for j < n; returns their sum. */
+static AVX512 float exp_row(float *row, int64_t n, float max) {
+    const __m512 top = _mm512_set1_ps(max);
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = lanes(n - j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top));
+        _mm512_mask_storeu_ps(row + j, m, e);
+        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
+    }
+    return _mm512_reduce_add_ps(sums);
+}
+
 /* q . k for one key row, the scaled query in qf (d floats, 16-padded). */
 static AVX512 float dot_row(const float *qf, const void *k, int64_t at, int64_t d, int bf16) {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
@@ -155,15 +168,7 @@ static AVX512 void head_avx512(const ColiDecodeAttention *a, int64_t b, int64_t 
         s[j] = dot_row(qf, a->k, kbase + j * a->k_token, a->d, bf16);
         max = s[j] > max ? s[j] : max;
     }
-    const __m512 top = _mm512_set1_ps(max);
-    __m512 sums = _mm512_setzero_ps();
-    for (int64_t j = 0; j < a->n; j += 16) {
-        const __mmask16 m = lanes(a->n - j);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
-        _mm512_mask_storeu_ps(s + j, m, e);
-        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
-    }
-    const float sum = _mm512_reduce_add_ps(sums);
+    const float sum = exp_row(s, a->n, max);
     const int64_t vbase = b * a->v_batch + g * a->v_head;
     for (int64_t c = 0; c < a->dv; c += 64)
         weigh_values(a, vbase, s, c, a->dv - c < 64 ? a->dv - c : 64, acc + c);
@@ -206,18 +211,7 @@ static AVX512 void four_heads_avx512(const ColiDecodeAttention *a, int64_t b, in
         }
     }
     float sum[4];
-    for (int r = 0; r < 4; r++) {
-        const __m512 top = _mm512_set1_ps(max[r]);
-        __m512 sums = _mm512_setzero_ps();
-        float *row = s + r * n;
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = lanes(n - j);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top));
-            _mm512_mask_storeu_ps(row + j, m, e);
-            sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
-        }
-        sum[r] = _mm512_reduce_add_ps(sums);
-    }
+    for (int r = 0; r < 4; r++) sum[r] = exp_row(s + r * n, n, max[r]);
     const int64_t vbase = b * a->v_batch + g * a->v_head;
     for (int64_t c = 0; c < a->dv; c += 32) {
         const __mmask16 m0 = lanes(a->dv - c), m1 = lanes(a->dv - c - 16);

@@ -291,6 +291,10 @@ class ModelExperts:
         """Bytes of one expert of ``layer`` (all experts of a layer agree)."""
         return next(iter(self._layer(layer).values())).nbytes
 
+    def routed_nbytes(self) -> int:
+        """Bytes of every routed expert of every layer."""
+        return sum(self.expert_nbytes(l) * self.num_experts(l) for l in self.layers)
+
 
 def format_ranges(numbers: tuple[int, ...]) -> str:
     """Numbers as "1-3, 7", so errors about 75-layer models stay one line."""

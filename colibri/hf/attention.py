@@ -119,7 +119,7 @@ def attend_one_query(query: Any, key: Any, value: Any, scaling: float | None = N
         "k_batch": key.stride(0), "k_head": key.stride(1), "k_token": key.stride(2),
         "v_batch": value.stride(0), "v_head": value.stride(1), "v_token": value.stride(2),
         "scale": 1.0 / math.sqrt(d) if scaling is None else float(scaling), "format": formats[query.dtype],
-        "isa": kernels.ISAS.index(kernels.default_isa())})
+        "isa": kernels.call_isa()})
     pool = compute_pool(default_threads(True) if threads is None else check_threads(threads))
     err = ffi.new("char[]", 256)
     rc = lib.coli_decode_attention(call, pool, err, 256)
