@@ -55,6 +55,12 @@ class LayerStream:
     leased the next one is prefetched into the other half (a prefetch never
     evicts a leased slot), so its reads overlap this group's compute;
     without workers, in groups of all the slots, each read by its lease.
+
+    A union that fits is one group; with workers, when only part of it is
+    resident, the resident experts come first (``Store.lease_hits``) while
+    the workers read the others (``Store.prefetch``), which follow as a
+    second group (``lease_many``): their reads overlap the first group's
+    compute. ``groups`` and ``len()`` count the planned groups.
     """
 
     def __init__(self, store: Store, layer: int, experts: Sequence[int]) -> None:
@@ -70,11 +76,29 @@ class LayerStream:
 
     def __iter__(self) -> Iterator[LeaseGroup]:
         store, groups = self.store, self.groups
+        if len(groups) == 1 and len(groups[0]) > 1 and store.prefetch_workers > 0:
+            yield from self._hits_first(groups[0])
+            return
         for g, group in enumerate(groups):
             with store.lease_many(self.layer, group) as leased:
                 if self.streaming and g + 1 < len(groups):
                     store.prefetch([(self.layer, e) for e in groups[g + 1]])
                 yield leased
+
+    def _hits_first(self, group: list[int]) -> Iterator[LeaseGroup]:
+        # The resident experts compute while the workers read the others.
+        store, layer = self.store, self.layer
+        with store.lease_hits(layer, group) as hits:
+            if len(hits) == len(group):
+                yield hits
+                return
+            held = {lease.expert for lease in hits}
+            rest = [e for e in group if e not in held]
+            if hits:
+                store.prefetch([(layer, e) for e in rest])
+                yield hits
+        with store.lease_many(layer, rest) as leased:
+            yield leased
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

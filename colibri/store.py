@@ -299,6 +299,21 @@ class Store:
             self._no_bytes(layer, wanted)
         return LeaseGroup(self._leaser.lease_many(layer, wanted))
 
+    def lease_hits(self, layer: int, experts: Iterable[int]) -> LeaseGroup:
+        """Lease those of ``experts`` (of one layer, no repeats) that are
+        resident now, in the given order, and nothing else: it never waits
+        for a read. Each counts as a hit, like a lease; the others are not
+        counted. An engine that starts the others' reads (``prefetch``) can
+        compute with these while they load. Use as a context manager."""
+        layer = operator.index(layer)
+        wanted = [operator.index(e) for e in experts]
+        self.num_experts(layer)  # closed store or unknown layer raise
+        if len(set(wanted)) != len(wanted):
+            raise ValueError(f"lease_hits: experts of layer {layer} repeat: {wanted}")
+        if self.replay:
+            self._no_bytes(layer, wanted)
+        return LeaseGroup(self._leaser.lease_hits(layer, [e for e in wanted if 0 <= e <= _INT_MAX]))
+
     def replay_tokens(self, layers: Any, experts: Any) -> None:
         """Run routing choices through the store in C: for each token ``t``
         and each ``i``, one ``lease_many`` on layer ``layers[i]`` of the

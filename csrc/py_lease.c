@@ -549,11 +549,64 @@ fail:
     return NULL;
 }
 
+static void end_c_lease(Lease *self);
+
+/* lease_hits(layer, experts): of experts (a list of ints the caller checked
+ * to fit a C int, no repeats), leases those resident now and returns them,
+ * in order; never waits for a read, so the caller can start the others'
+ * reads and compute with these meanwhile. */
+static PyObject *leaser_lease_hits(Leaser *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyLong_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "lease_hits() takes a layer and a list of experts");
+        return NULL;
+    }
+    int layer;
+    if (as_int(args[0], &layer) < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(args[1]);
+    /* Every lease object is made before the first lookup: once C leases are
+     * taken, only the result tuple can still fail, and then they go back. */
+    PyObject *all = PyTuple_New(count);
+    if (!all) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int expert;
+        Lease *lease = NULL;
+        if (as_int(PyList_GET_ITEM(args[1], i), &expert) < 0 ||
+            !(lease = new_lease(self, layer, expert))) {
+            Py_DECREF(all);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(all, i, (PyObject *)lease);
+    }
+    Py_ssize_t hits = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Lease *lease = (Lease *)PyTuple_GET_ITEM(all, i);
+        if (self->api->lookup_resident(self->handle, layer, lease->expert, &lease->view) == COLI_OK) {
+            lease->released = 0;
+            hits++;
+        }
+    }
+    PyObject *out = PyTuple_New(hits);
+    for (Py_ssize_t i = 0, j = 0; i < count; i++) {
+        Lease *lease = (Lease *)PyTuple_GET_ITEM(all, i);
+        if (lease->released) continue;
+        if (out) {
+            PyTuple_SET_ITEM(out, j++, Py_NewRef(lease));
+        } else {
+            lease->released = 1;
+            end_c_lease(lease);
+        }
+    }
+    Py_DECREF(all);
+    return out;
+}
+
 static PyMethodDef leaser_methods[] = {
     {"lease", (PyCFunction)(void (*)(void))leaser_lease, METH_FASTCALL,
      "lease(layer, expert) -> a lease of that expert (see Store.lease)"},
     {"lease_many", (PyCFunction)(void (*)(void))leaser_lease_many, METH_FASTCALL,
      "lease_many(layer, experts: list[int]) -> tuple of leases, all or nothing"},
+    {"lease_hits", (PyCFunction)(void (*)(void))leaser_lease_hits, METH_FASTCALL,
+     "lease_hits(layer, experts: list[int]) -> tuple of leases of those resident now"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -583,6 +636,7 @@ static int lease_clear(Lease *self) {
     Py_CLEAR(self->leaser);
     return 0;
 }
+
 
 static PyObject *lease_release(Lease *self, PyObject *Py_UNUSED(ignored));
 

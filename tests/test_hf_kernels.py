@@ -299,3 +299,37 @@ def test_a_one_token_forward_takes_blas(ckpt: Callable[[str], str], dtype: str, 
         assert torch.backends.mkldnn.enabled
     finally:
         model.colibri_close()
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4"])
+def test_hits_first_gives_the_same_bits(ckpt: Callable[[str], str], name: str) -> None:
+    """With I/O workers a layer computes its resident experts while the
+    others load, in two kernel calls; each token's output is the same bits
+    as one call over all its experts."""
+    from colibri.hf.runtime import experts_modules
+
+    path = ckpt(name)
+    plain = hf.from_pretrained(path, torch_dtype=torch.bfloat16, slots_per_layer=4, prefetch=None)
+    split = hf.from_pretrained(path, torch_dtype=torch.bfloat16, slots_per_layer=4, prefetch="pilot")
+    try:
+        layer, module = next(iter(experts_modules(split).items()))
+        store = hf.store_of(split)
+        n_experts, k = store.num_experts(layer), int(split.config.num_experts_per_tok)
+        assert 2 <= k < n_experts
+        gen = torch.Generator().manual_seed(3)
+        hidden = torch.randn(1, int(split.config.hidden_size), generator=gen).to(torch.bfloat16)
+        weights = torch.softmax(torch.randn(1, k, generator=gen), dim=-1).to(torch.bfloat16)
+        order = torch.randperm(n_experts, generator=gen)
+        first, second = order[:k][None], torch.cat([order[:1], order[k:2 * k - 1]])[None]
+        with torch.no_grad():
+            for index in (first, second):      # the second shares one expert with the first
+                before = store.layer_stats(layer)
+                got = hf.runtime_of(split).experts_forward(module, layer, hidden, index, weights)
+                want = hf.runtime_of(plain).experts_forward(module, layer, hidden, index, weights)
+                assert torch.equal(got, want)
+            after = store.layer_stats(layer)
+        assert after.hits - before.hits >= 1 and after.prefetched - before.prefetched >= 1
+        assert store.active_leases == 0
+    finally:
+        split.colibri_close()
+        plain.colibri_close()
