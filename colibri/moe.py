@@ -58,7 +58,7 @@ class LayerStream:
 
     A union that fits is one group; with workers, when only part of it is
     resident, the resident experts come first (``Store.lease_hits``) while
-    the workers read the others (``Store.prefetch``), which follow as a
+    the workers read the others (``Store.start_reads``), which follow as a
     second group (``lease_many``): their reads overlap the first group's
     compute. ``groups`` and ``len()`` count the planned groups.
     """
@@ -95,7 +95,7 @@ class LayerStream:
             held = {lease.expert for lease in hits}
             rest = [e for e in group if e not in held]
             if hits:
-                store.prefetch([(layer, e) for e in rest])
+                store.start_reads(layer, rest)
                 yield hits
         with store.lease_many(layer, rest) as leased:
             yield leased

@@ -303,8 +303,8 @@ class Store:
         """Lease those of ``experts`` (of one layer, no repeats) that are
         resident now, in the given order, and nothing else: it never waits
         for a read. Each counts as a hit, like a lease; the others are not
-        counted. An engine that starts the others' reads (``prefetch``) can
-        compute with these while they load. Use as a context manager."""
+        counted. An engine that starts the others' reads (``start_reads``)
+        can compute with these while they load. Use as a context manager."""
         layer = operator.index(layer)
         wanted = [operator.index(e) for e in experts]
         self.num_experts(layer)  # closed store or unknown layer raise
@@ -365,6 +365,21 @@ class Store:
         if not clean:
             return 0
         return int(self._ops.prefetch(self._handle, ffi.new("ColiExpertKey[]", clean), len(clean)))
+
+    def start_reads(self, layer: int, experts: Iterable[int]) -> int:
+        """Have the I/O workers read these experts of ``layer`` now, ahead of
+        every queued prefetch, for leases the caller takes right after
+        (computing meanwhile with the resident ones, see ``lease_hits``).
+        Not guesses: the first lease of each counts a miss, as if that lease
+        had read it. Returns how many reads were queued (0 without workers;
+        experts resident or loading, unknown, or without a slot to take now
+        are skipped)."""
+        self._check_open()
+        layer = operator.index(layer)
+        ids = [e for e in map(operator.index, experts) if 0 <= e <= _INT_MAX]
+        if not ids or not 0 <= layer <= _INT_MAX:
+            return 0
+        return int(lib.coli_store_start_reads(self._handle, layer, ffi.new("int[]", ids), len(ids)))
 
     def retire_prefetches(self, layer: int, keep: Iterable[int] = ()) -> int:
         """Say which experts of ``layer`` the engine really used: prefetches

@@ -220,6 +220,16 @@ int coli_store_close(ColiExpertStore *store, char *err, size_t err_len);
 int coli_store_retire_prefetches(ColiExpertStore *store, int layer, const int *keep,
                                  int n_keep);
 
+/* Starts reads of experts of layer on the I/O workers, ahead of every
+ * queued prefetch and never paused for demand reads, for lookups the caller
+ * makes right after (computing meanwhile with what is resident). They are
+ * not guesses: the first lookup of each counts a miss, not a hit or an
+ * in-flight join, and they are not counted as prefetched nor retired.
+ * Experts resident or loading, unknown, or without a slot to take now are
+ * skipped. Returns how many reads were queued (0 without workers or for an
+ * unknown layer). */
+int coli_store_start_reads(ColiExpertStore *store, int layer, const int *experts, int count);
+
 /* Waits until no load is queued or in flight in layer (layer < 0: in any
  * layer), at most timeout_ns (< 0: forever). Returns 0 or COLI_ETIMEOUT. */
 int coli_store_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns);

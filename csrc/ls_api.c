@@ -96,6 +96,12 @@ int coli_store_retire_prefetches(ColiExpertStore *store, int layer, const int *k
     return L ? ls_retire_prefetches(s, L, keep, n_keep) : 0;
 }
 
+int coli_store_start_reads(ColiExpertStore *store, int layer, const int *experts, int count) {
+    LsStore *s = ls_store_of(store);
+    LsLayer *L = s ? ls_find_layer(s, layer) : NULL;
+    return L ? ls_start_reads(s, L, experts, count) : 0;
+}
+
 int coli_store_wait_idle(ColiExpertStore *store, int layer, int64_t timeout_ns) {
     LsStore *s = ls_store_of(store);
     return s ? ls_wait_idle(s, layer, timeout_ns) : COLI_EINVAL;

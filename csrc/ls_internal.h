@@ -81,6 +81,7 @@ struct LsSlot {
     LsSlotState state;
     bool evictable;               /* in the policy's evictable set (ls_slots.c keeps it) */
     bool prefetched;              /* loaded by prefetch and not hit yet */
+    bool early;                   /* a start_reads load: its first lookup counts a miss */
     bool pinned;                  /* holds (or loads) a pinned expert: never evictable */
     _Atomic bool demanded;        /* a lookup waits for this load: it must not pause */
     _Atomic bool retired;         /* a prefetch known to be a wrong guess: stop reading it */
@@ -302,6 +303,7 @@ void ls_release_op(ColiExpertStore *store, ColiExpertView *view);
 /* ---- prefetch and the workers' jobs (ls_prefetch.c) ------------------ */
 
 int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count);
+int ls_start_reads(LsStore *s, LsLayer *L, const int *experts, int count);
 /* coli_store_retire_prefetches on layer L. */
 int ls_retire_prefetches(LsStore *s, LsLayer *L, const int *keep, int n_keep);
 /* Loads the pins and warm experts (LS_PRELOAD_JOB jobs, or here with no

@@ -111,8 +111,8 @@ static int lookup_impl(LsStore *s, int layer, int expert, ColiExpertView *view,
         if (!ticked) ls_tick(L, &expert, 1);
         ticked = true;
         if (v && v->state == LS_READING) {   /* join that load */
-            if (!joined) L->c.inflight_joins++;
-            joined = true;
+            if (!joined && !v->early) L->c.inflight_joins++;   /* an early read is our miss */
+            joined = joined || !v->early;
             ls_demand_join(s, v);
             ls_layer_wait(L, NULL);
             continue;
@@ -338,7 +338,7 @@ static int batch_join(Batch *b, bool *joined, bool *again) {
     LsLayer *L = b->L;
     int rc = COLI_OK;
     while (rc == COLI_OK) {
-        bool pending = false;
+        bool pending = false, joins = false;   /* joins: waits on a load not started early for us */
         for (int i = 0; i < b->count && rc == COLI_OK && !*again; i++) {
             if (b->first[i] != i || b->views[i].lease) continue;
             LsEntry *e = &L->entries[b->experts[i]];
@@ -347,6 +347,7 @@ static int batch_join(Batch *b, bool *joined, bool *again) {
                 ls_slot_lease(L, v, &b->views[i], i);
             } else if (v && v->state == LS_READING) {
                 pending = true;
+                joins = joins || !v->early;
                 ls_demand_join(s, v);
             } else if ((v = ls_slot_claim(s, L, e, b->experts[i], i)) != NULL) {
                 rc = demand_read(s, L, v, &b->views[i], b->err, b->n);
@@ -355,8 +356,8 @@ static int batch_join(Batch *b, bool *joined, bool *again) {
             }
         }
         if (*again || !pending) break;
-        if (!*joined) L->c.inflight_joins++;
-        *joined = true;
+        if (!*joined && joins) L->c.inflight_joins++;
+        *joined = *joined || joins;
         ls_layer_wait(L, NULL);
     }
     return rc;

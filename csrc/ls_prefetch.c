@@ -119,6 +119,25 @@ void ls_run_job(void *ctx, ColiJob job) {
     pthread_mutex_unlock(&L->mu);
 }
 
+/* Queues a worker's read of expert (entry e) of layer L, neither resident
+ * nor loading, into the policy's victim; an early read (start_reads) goes
+ * ahead of every queued prefetch. Returns whether it was queued. */
+static bool queue_read(LsStore *s, LsLayer *L, LsEntry *e, int expert, bool early) {
+    pthread_mutex_lock(&L->mu);
+    LsSlot *v = L->slot_of[expert] ? NULL : ls_victim(L);
+    /* An unhit prefetch as the victim means only unhit prefetches are left
+     * to evict: taking one would let a batch undo itself. A read the engine
+     * waits for next may, as its own lookup would. */
+    if (v && v->prefetched && !early) v = NULL;
+    /* Post with the generation repurpose is about to give the slot; a
+     * worker that pops it first blocks on L->mu until we are done. */
+    uint64_t generation = v ? ls_next_generation(s) : 0;
+    bool queued = v && coli_pool_post(&s->pool, (ColiJob){v, generation}, early);
+    if (queued) ls_slot_queue_prefetch(s, L, v, e, expert, generation, early);
+    pthread_mutex_unlock(&L->mu);
+    return queued;
+}
+
 int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count) {
     LsStore *s = store->state;   /* reached through ls_ops: a store of ours */
     if (!keys || count <= 0 || s->pool.n_threads == 0 || !ls_call_enter(s, &s->prefetch_calls))
@@ -127,23 +146,22 @@ int ls_prefetch_op(ColiExpertStore *store, const ColiExpertKey *keys, int count)
     for (int i = 0; i < count; i++) {
         LsLayer *L = ls_find_layer(s, keys[i].layer);
         LsEntry *e = L ? ls_find_entry(L, keys[i].expert) : NULL;
-        if (!e) continue;
-        pthread_mutex_lock(&L->mu);
-        LsSlot *v = L->slot_of[keys[i].expert] ? NULL : ls_victim(L);
-        /* An unhit prefetch as the victim means only unhit prefetches are
-         * left to evict: taking one would let a batch undo itself. */
-        if (v && v->prefetched) v = NULL;
-        /* Post with the generation repurpose is about to give the slot; a
-         * worker that pops it first blocks on L->mu until we are done. */
-        uint64_t generation = v ? ls_next_generation(s) : 0;
-        if (v && coli_pool_post(&s->pool, (ColiJob){v, generation}, false)) {
-            ls_slot_queue_prefetch(s, L, v, e, keys[i].expert, generation);
-            accepted++;
-        }
-        pthread_mutex_unlock(&L->mu);
+        accepted += e && queue_read(s, L, e, keys[i].expert, false);
     }
     ls_call_leave(&s->prefetch_calls);
     return accepted;
+}
+
+int ls_start_reads(LsStore *s, LsLayer *L, const int *experts, int count) {
+    if (!experts || count <= 0 || s->pool.n_threads == 0 || !ls_call_enter(s, &s->prefetch_calls))
+        return 0;
+    int started = 0;
+    for (int i = 0; i < count; i++) {
+        LsEntry *e = ls_find_entry(L, experts[i]);
+        started += e && queue_read(s, L, e, experts[i], true);
+    }
+    ls_call_leave(&s->prefetch_calls);
+    return started;
 }
 
 int ls_retire_prefetches(LsStore *s, LsLayer *L, const int *keep, int n_keep) {
@@ -152,7 +170,7 @@ int ls_retire_prefetches(LsStore *s, LsLayer *L, const int *keep, int n_keep) {
     pthread_mutex_lock(&L->mu);
     for (int j = 0; j < L->n_slots; j++) {
         LsSlot *v = &L->slots[j];
-        if (!v->prefetched || v->state == LS_EMPTY || (v->state == LS_RESIDENT && v->leases))
+        if (!v->prefetched || v->early || v->state == LS_EMPTY || (v->state == LS_RESIDENT && v->leases))
             continue;
         bool kept = false;
         for (int i = 0; i < n_keep && !kept; i++) kept = keep[i] == v->expert;

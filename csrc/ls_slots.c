@@ -65,6 +65,7 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
     v->expert = expert;
     v->state = st;
     v->prefetched = (st == LS_QUEUED);
+    v->early = false;
     atomic_store(&v->demanded, false);
     atomic_store(&v->retired, false);
     L->slot_of[expert] = v;
@@ -76,10 +77,15 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
 }
 
 void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
-                            uint64_t generation) {
+                            uint64_t generation, bool early) {
     ls_slot_repurpose(s, L, v, e, expert, LS_QUEUED, generation);
     if (L->policy->assign) L->policy->assign(L, v, -1);
-    L->c.prefetched++;
+    if (early) {
+        v->early = true;
+        atomic_store(&v->demanded, true);
+    } else {
+        L->c.prefetched++;
+    }
 }
 
 void ls_slot_begin_read(LsLayer *L, LsSlot *v) {
@@ -130,11 +136,15 @@ LsSlot *ls_slot_claim(LsStore *s, LsLayer *L, LsEntry *e, int expert, int rank) 
         if (L->policy->hit) L->policy->hit(L, v, rank);
         ls_slot_begin_read(L, v);
         ls_count_request(L, expert);
-        L->c.hits++;
-        L->c.inflight_joins++;
-        if (v->pinned) L->c.persistent_hits++;
-        if (v->prefetched) L->c.prefetch_hits++;
-        v->prefetched = false;
+        if (v->early) {
+            L->c.misses++;
+        } else {
+            L->c.hits++;
+            L->c.inflight_joins++;
+            if (v->pinned) L->c.persistent_hits++;
+            if (v->prefetched) L->c.prefetch_hits++;
+        }
+        v->early = v->prefetched = false;
         return v;
     }
     v = ls_victim(L);

@@ -108,11 +108,16 @@ static inline void ls_slot_lease(LsLayer *L, LsSlot *v, ColiExpertView *view, in
     v->leases++;
     L->leases++;
     ls_count_request(L, v->expert);
-    L->c.hits++;
-    if (v->pinned) L->c.persistent_hits++;
-    if (v->prefetched) {
-        L->c.prefetch_hits++;
-        v->prefetched = false;
+    if (v->early) {
+        L->c.misses++;
+        v->early = v->prefetched = false;
+    } else {
+        L->c.hits++;
+        if (v->pinned) L->c.persistent_hits++;
+        if (v->prefetched) {
+            L->c.prefetch_hits++;
+            v->prefetched = false;
+        }
     }
     ls_fill_view(view, v);
 }
@@ -169,9 +174,11 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
 
 /* queue_prefetch: gives evictable slot v to entry e's expert for a prefetch
  * whose job the caller posted with this generation (QUEUED, counted as
- * prefetched; the policy hears of it). */
+ * prefetched; the policy hears of it). early: a start_reads load instead,
+ * not a guess: not counted as prefetched, never paused for demand reads,
+ * and its first lookup counts a miss. */
 void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
-                            uint64_t generation);
+                            uint64_t generation, bool early);
 
 /* claim: gives a demand miss of entry e's expert (neither resident nor
  * being read) a slot to read it into, marked READING: its own queued

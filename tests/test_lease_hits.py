@@ -75,6 +75,7 @@ def test_a_stream_computes_its_hits_first_while_the_rest_loads(small_model) -> N
     want = expected_experts(small_model)
     with colibri.open_store(small_model.path, slots_per_layer=6, prefetch_workers=2) as store:
         _warm(store, 2, [4, 0])
+        before = store.layer_stats(2)
         seen: list[list[int]] = []
         for group in LayerStream(store, 2, [1, 0, 7, 4]):
             seen.append([lease.expert for lease in group])
@@ -82,9 +83,35 @@ def test_a_stream_computes_its_hits_first_while_the_rest_loads(small_model) -> N
                 assert_expert_matches(lease, want[lease.key])
             assert store.active_leases == len(group)
         assert seen == [[0, 4], [1, 7]]
-        stats = store.layer_stats(2)
-        assert stats.prefetched == 2            # the two missing ones, read by the workers
+        after = store.layer_stats(2)
+        # the two missing ones were read by the workers, and still count as misses
+        assert after.hits - before.hits == 2 and after.misses - before.misses == 2
+        assert after.prefetched == before.prefetched and after.prefetch_hits == before.prefetch_hits
+        assert after.inflight_joins == before.inflight_joins
+        assert after.requests == after.hits + after.misses
         assert store.active_leases == 0
+
+
+def test_start_reads_counts_a_miss_at_the_first_lease(small_model) -> None:
+    want = expected_experts(small_model)
+    with colibri.open_store(small_model.path, slots_per_layer=4, prefetch_workers=2) as store:
+        _warm(store, 1, [5])
+        assert store.start_reads(1, [2, 5, 99, -3]) == 1    # 5 is resident, 99 and -3 unknown
+        assert store.start_reads(1, [2]) == 0               # already loading or loaded
+        store.wait_idle(1)
+        assert store.retire_prefetches(1, []) == 0          # not a guess: never retired
+        before = store.layer_stats(1)
+        with store.lease(1, 2) as lease:
+            assert_expert_matches(lease, want[lease.key])
+        with store.lease(1, 2):
+            pass
+        after = store.layer_stats(1)
+        assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+        assert after.bytes_read == before.bytes_read       # read once, by a worker
+        assert after.prefetched == 0 and after.prefetch_hits == 0
+        assert store.start_reads(7, [1]) == 0               # no such layer
+    with colibri.open_store(small_model.path, slots_per_layer=4, prefetch_workers=0) as store:
+        assert store.start_reads(1, [2]) == 0               # no workers
 
 
 @pytest.mark.parametrize("workers, resident, groups", [
@@ -119,3 +146,5 @@ def test_a_stream_leases_each_expert_once(small_model, data: st.DataObject) -> N
                 got += [lease.expert for lease in group]
             assert sorted(got) == sorted(asked)
             assert store.active_leases == 0
+            stats = store.stats()
+            assert stats.requests == stats.hits + stats.misses

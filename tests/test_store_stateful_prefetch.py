@@ -43,6 +43,7 @@ def make_machine(models):
             self.held: list[colibri.ExpertLease] = []
             self.closed = False
             self.failed_requests = 0   # lookups refused as cache full: requests, not hits or misses
+            self.started_reads = 0     # loads start_reads queued
 
         @initialize(m=st.integers(0, len(models) - 1), slots=st.integers(1, 4), workers=st.integers(0, 3),
                     demand_first=st.booleans(), policy=st.sampled_from(colibri.POLICIES))
@@ -131,6 +132,36 @@ def make_machine(models):
             assert after.prefetched - before.prefetched == accepted
 
         @precondition(lambda self: not self.closed)
+        @rule(li=st.integers(0, 63), eis=st.lists(st.integers(0, 63), max_size=4))
+        def start_reads(self, li: int, eis: list[int]) -> None:
+            layer = self.key(li, 0)[0]
+            before = self.store.stats()
+            started = self.store.start_reads(layer, [self.key(li, e)[1] for e in eis])
+            after = self.store.stats()
+            assert 0 <= started <= len(set(eis)) and (self.workers > 0 or started == 0)
+            assert after.prefetched == before.prefetched and after.requests == before.requests
+            self.started_reads += started
+
+        @precondition(lambda self: not self.closed)
+        @rule(li=st.integers(0, 63), eis=st.lists(st.integers(0, 63), min_size=1, max_size=4))
+        def lease_hits_then_the_rest(self, li: int, eis: list[int]) -> None:
+            layer = self.key(li, 0)[0]
+            experts = list(dict.fromkeys(self.key(li, e)[1] for e in eis))
+            before = self.store.stats()
+            with self.store.lease_hits(layer, experts) as hits:
+                got = [ex.expert for ex in hits]
+                assert got == [e for e in experts if e in got]      # in the order asked
+                for ex in hits:
+                    self.check(ex)
+                assert self.store.stats().requests - before.requests == len(hits)
+            rest = [e for e in experts if e not in got]
+            if rest and len(self.held_in(layer) | set(rest)) <= self.slots:
+                self.started_reads += self.store.start_reads(layer, rest)
+                with self.store.lease_many(layer, rest) as group:
+                    for ex in group:
+                        self.check(ex)
+
+        @precondition(lambda self: not self.closed)
         @rule(li=st.integers(0, 63), eis=st.lists(st.integers(0, 63), max_size=3))
         def retire_prefetches(self, li: int, eis: list[int]) -> None:
             layer = self.key(li, 0)[0]
@@ -144,7 +175,8 @@ def make_machine(models):
         def wait_idle(self) -> None:
             self.store.wait_idle(timeout=30)
             s = self.store.stats()
-            assert s.loads_started == s.misses + s.prefetched  # every load has ended
+            # every load has ended; start_reads' loads count as misses once leased
+            assert 0 <= s.loads_started - s.misses - s.prefetched <= self.started_reads
             for ex in self.held:
                 self.check(ex)
 
@@ -171,6 +203,8 @@ def make_machine(models):
             for call in (lambda: self.store.lease(layer, expert),
                          lambda: self.store.lease_many(layer, [expert]),
                          lambda: self.store.prefetch([(layer, expert)]),
+                         lambda: self.store.start_reads(layer, [expert]),
+                         lambda: self.store.lease_hits(layer, [expert]),
                          lambda: self.store.wait_idle(),
                          lambda: self.store.stats(),
                          lambda: self.store.active_leases):
