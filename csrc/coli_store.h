@@ -221,7 +221,8 @@ int coli_store_retire_prefetches(ColiExpertStore *store, int layer, const int *k
                                  int n_keep);
 
 /* Starts reads of experts of layer on the I/O workers, ahead of every
- * queued prefetch and never paused for demand reads, for lookups the caller
+ * queued prefetch and read as demand reads (prefetch reads pause for them,
+ * they pause for nothing), for lookups the caller
  * makes right after (computing meanwhile with what is resident). They are
  * not guesses: the first lookup of each counts a miss, not a hit or an
  * in-flight join, and they are not counted as prefetched nor retired.

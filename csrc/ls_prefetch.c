@@ -108,12 +108,15 @@ void ls_run_job(void *ctx, ColiJob job) {
     }
     ls_slot_begin_read(L, v);
     LsEntry *e = &L->entries[v->expert];
+    bool early = v->early;   /* a start_reads load is a demand read: prefetch reads pause for it */
     pthread_mutex_unlock(&L->mu);
     uint64_t nread = 0;
     char err[LS_ERRLEN];
     PrefetchPace pace = {s, v};
     ColiReadPacer pacer = {s->prefetch_chunk, prefetch_pause, &pace};
-    int rc = coli_read_expert(&s->files, &e->plan, v->mem, &pacer, &nread, err, sizeof err);
+    if (early) ls_demand_begin(s);
+    int rc = coli_read_expert(&s->files, &e->plan, v->mem, early ? NULL : &pacer, &nread, err, sizeof err);
+    if (early) ls_demand_end(s);
     pthread_mutex_lock(&L->mu);
     ls_slot_finish_load(s, L, v, rc, nread, 0);
     pthread_mutex_unlock(&L->mu);

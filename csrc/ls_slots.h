@@ -175,8 +175,8 @@ void ls_slot_repurpose(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert
 /* queue_prefetch: gives evictable slot v to entry e's expert for a prefetch
  * whose job the caller posted with this generation (QUEUED, counted as
  * prefetched; the policy hears of it). early: a start_reads load instead,
- * not a guess: not counted as prefetched, never paused for demand reads,
- * and its first lookup counts a miss. */
+ * not a guess: not counted as prefetched, read as a demand read, and its
+ * first lookup counts a miss. */
 void ls_slot_queue_prefetch(LsStore *s, LsLayer *L, LsSlot *v, LsEntry *e, int expert,
                             uint64_t generation, bool early);
 
