@@ -10,13 +10,19 @@ routers (``decode_routers``), ``norms`` the native RMS norms
 (``attend_one_query``; off, the same steps use torch's SDPA with grouped
 heads), ``kv_cache`` the key/value cache that appends in place
 (``grow_kv_cache``: two caches of the same prompt, one plain, used at
-alternate steps). The model is any checkpoint colibri.hf loads, e.g. the
-4-bit one ``benchmarks/generate.py --models DIR`` keeps in ``DIR/4bit/hf``.
+alternate steps). Two switches are about streaming, with random tokens:
+``hits_first`` (a cache of a quarter of the experts, PILOT, O_DIRECT)
+toggles computing a layer's resident experts while the workers read the
+others, and ``pilot`` (in RAM) PILOT itself, whose predictions are then
+all resident: what predicting costs. The model is any checkpoint
+colibri.hf loads, e.g. the 4-bit one ``benchmarks/generate.py --models
+DIR`` keeps in ``DIR/4bit/hf``.
 
     python benchmarks/decode_switch.py --model DIR --switch routers --threads 1
     python benchmarks/decode_switch.py --model DIR --switch rotary --threads 2
     python benchmarks/decode_switch.py --model DIR --switch attention --threads 2 --prompt-len 2048
     python benchmarks/decode_switch.py --model DIR --switch kv_cache --prompt-len 2048
+    python benchmarks/decode_switch.py --model DIR --switch hits_first --threads 2 --steps 300
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 from typing import Any
 
 SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__",
-            "attention": "_native_fits", "kv_cache": ""}
+            "attention": "_native_fits", "kv_cache": "", "hits_first": "", "pilot": ""}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     config = transformers.AutoConfig.from_pretrained(args.model)
     experts, layers = config.num_experts if hasattr(config, "num_experts") else config.num_local_experts, \
         config.num_hidden_layers
+    if args.switch in ("hits_first", "pilot"):
+        return _streamed(args, config, experts, layers)
     model = colibri.hf.from_pretrained(args.model, torch_dtype=torch.bfloat16, slots_per_layer=experts,
                                        prefetch=None, warm=[(layer, e) for layer in range(layers)
                                                             for e in range(experts)])
@@ -78,24 +86,85 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 del module.forward
 
+    times = _alternate(args, model, config, switch, random_tokens=False)
+    model.colibri_close()
+    _report(args, f"{len(switched)} modules", times)
+    return 0
+
+
+def _alternate(args: argparse.Namespace, model: Any, config: Any, switch: Any,
+               random_tokens: bool) -> dict[bool, list[float]]:
+    """Decode steps after a prompt, switch on at even steps and off at odd
+    ones; each step feeds the model's greedy token, or a random one (as
+    generate.py's continuation does, so that routing keeps moving)."""
+    import torch
+
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    tokens = torch.Generator().manual_seed(1)
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.no_grad():
         out: Any = model(prompt, use_cache=True, logits_to_keep=1)
         for step in range(args.steps):
             on = step % 2 == 0
             switch(on)
-            token = out.logits[:, -1:].argmax(-1)
+            token = torch.randint(0, config.vocab_size, (1, 1), generator=tokens) if random_tokens \
+                else out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             out = model(token, past_key_values=out.past_key_values, use_cache=True)
             times[on].append(time.perf_counter() - t0)
             if step % 64 == 63:       # back to the prompt's length: every step sees 256-320 tokens
                 out.past_key_values.crop(-64)
     switch(True)
-    model.colibri_close()
+    return times
+
+
+def _report(args: argparse.Namespace, what: str, times: dict[bool, list[float]]) -> None:
     on, off = (statistics.median(times[k]) for k in (True, False))
-    print(f"{args.switch} ({len(switched)} modules), {args.threads} thread(s), {args.steps} steps: "
-          f"on {1e3 * on:.2f} ms, off {1e3 * off:.2f} ms a step (medians); on / off {on / off:.3f}")
+    mean_on, mean_off = (statistics.fmean(times[k]) for k in (True, False))
+    print(f"{args.switch} ({what}), {args.threads} thread(s), {args.steps} steps: "
+          f"on {1e3 * on:.2f} ms, off {1e3 * off:.2f} ms a step (medians); on / off {on / off:.3f} "
+          f"(means: {mean_on / mean_off:.3f})")
+
+
+def _streamed(args: argparse.Namespace, config: Any, experts: int, layers: int) -> int:
+    """``hits_first``: a cache of a quarter of the experts, PILOT, O_DIRECT;
+    on, a layer whose experts are partly resident computes those while the
+    workers read the others (LayerStream); off, it leases them all at once.
+    ``pilot``: in RAM; on, PILOT predicts and prefetches (every guess is
+    already resident, so this is its own cost); off, no PILOT. Random
+    tokens, so that the routing moves as in a real text."""
+    import torch
+
+    import colibri.hf
+    from colibri.moe import LayerStream
+
+    if args.switch == "hits_first":
+        model = colibri.hf.from_pretrained(args.model, torch_dtype=torch.bfloat16, prefetch="pilot",
+                                           slots_per_layer=max(1, experts // 4), direct_io=True)
+    else:
+        model = colibri.hf.from_pretrained(args.model, torch_dtype=torch.bfloat16, prefetch="pilot",
+                                           slots_per_layer=experts,
+                                           warm=[(layer, e) for layer in range(layers) for e in range(experts)])
+    model.eval()
+    runtime = colibri.hf.runtime_of(model)
+    pilot, hits_first = runtime.pilot, LayerStream.__iter__
+
+    def at_once(self: Any) -> Any:
+        for group in self.groups:
+            with self.store.lease_many(self.layer, group) as leased:
+                yield leased
+
+    def switch(on: bool) -> None:
+        if args.switch == "hits_first":
+            LayerStream.__iter__ = hits_first if on else at_once  # type: ignore[method-assign]
+        else:
+            runtime.pilot = pilot if on else None
+
+    store = runtime.store
+    times = _alternate(args, model, config, switch, random_tokens=True)
+    s = store.stats()
+    model.colibri_close()
+    _report(args, f"{s.misses / max(1, s.requests):.1%} of the requests missed", times)
     return 0
 
 

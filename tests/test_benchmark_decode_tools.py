@@ -54,3 +54,11 @@ def test_decode_switch_toggles_the_native_attention(tiny: str) -> None:
     out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", "attention", "--steps", "6",
                "--prompt-len", "16")
     assert "attention (1 modules), 1 thread(s), 6 steps" in out and "on / off" in out, out
+
+
+@pytest.mark.parametrize("switch", ["hits_first", "pilot"])
+def test_decode_switch_streaming_switches(tiny: str, switch: str) -> None:
+    out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", switch, "--steps", "6",
+               "--prompt-len", "16")
+    assert f"{switch} (" in out and "of the requests missed), 1 thread(s), 6 steps" in out, out
+    assert "on / off" in out and "(means: " in out, out
