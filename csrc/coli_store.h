@@ -220,12 +220,12 @@ int coli_store_close(ColiExpertStore *store, char *err, size_t err_len);
 int coli_store_retire_prefetches(ColiExpertStore *store, int layer, const int *keep,
                                  int n_keep);
 
-/* Starts reads of experts of layer on the I/O workers, ahead of every
- * queued prefetch and read as demand reads (prefetch reads pause for them,
- * they pause for nothing), for lookups the caller
- * makes right after (computing meanwhile with what is resident). They are
- * not guesses: the first lookup of each counts a miss, not a hit or an
- * in-flight join, and they are not counted as prefetched nor retired.
+/* Starts reads of experts of layer on the I/O workers for lookups the
+ * caller makes right after (computing meanwhile with what is resident):
+ * ahead of every queued prefetch, and read as demand reads (prefetch reads
+ * pause for them, they pause for nothing). They are not guesses: the first
+ * lookup of each counts a miss, not a hit or an in-flight join, and they
+ * are neither counted as prefetched nor retired.
  * Experts resident or loading, unknown, or without a slot to take now are
  * skipped. Returns how many reads were queued (0 without workers or for an
  * unknown layer). */

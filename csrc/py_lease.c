@@ -637,7 +637,6 @@ static int lease_clear(Lease *self) {
     return 0;
 }
 
-
 static PyObject *lease_release(Lease *self, PyObject *Py_UNUSED(ignored));
 
 /* A lease dropped without release() is released then, with a
