@@ -497,15 +497,21 @@ static PyObject *leaser_lease(Leaser *self, PyObject *const *args, Py_ssize_t na
     return (PyObject *)lease;
 }
 
+/* The (layer, list of experts) arguments of lease_many and lease_hits:
+ * 0 and *layer, or -1 with a TypeError naming the call. */
+static int layer_and_list(PyObject *const *args, Py_ssize_t nargs, const char *call, int *layer) {
+    if (nargs != 2 || !PyLong_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s() takes a layer and a list of experts", call);
+        return -1;
+    }
+    return as_int(args[0], layer);
+}
+
 /* lease_many(layer, experts): experts is a list of ints the caller checked
  * to fit a C int, at least one. Returns a tuple of leases, in order. */
 static PyObject *leaser_lease_many(Leaser *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyLong_Check(args[0]) || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "lease_many() takes a layer and a list of experts");
-        return NULL;
-    }
     int layer;
-    if (as_int(args[0], &layer) < 0) return NULL;
+    if (layer_and_list(args, nargs, "lease_many", &layer) < 0) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(args[1]);
     if (count < 1 || count > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "lease_many(): between 1 and INT_MAX experts");
@@ -556,12 +562,8 @@ static void end_c_lease(Lease *self);
  * in order; never waits for a read, so the caller can start the others'
  * reads and compute with these meanwhile. */
 static PyObject *leaser_lease_hits(Leaser *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyLong_Check(args[0]) || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "lease_hits() takes a layer and a list of experts");
-        return NULL;
-    }
     int layer;
-    if (as_int(args[0], &layer) < 0) return NULL;
+    if (layer_and_list(args, nargs, "lease_hits", &layer) < 0) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(args[1]);
     /* Every lease object is made before the first lookup: once C leases are
      * taken, only the result tuple can still fail, and then they go back. */
