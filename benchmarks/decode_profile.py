@@ -7,7 +7,9 @@ decoder layer, its attention and its MoE block; what is left is Python and
 torch's small ops. Steps alternate between the thread counts in one process,
 so that the machine's drift falls on both. The model is any checkpoint
 colibri.hf loads, e.g. the 4-bit one ``benchmarks/generate.py --models DIR``
-keeps in ``DIR/4bit/hf``.
+keeps in ``DIR/4bit/hf``. The model runs with its modules' forwards
+(``decode_layers=False``): the lean decoder-layer forward calls the
+kernels itself, past the functions this profile times.
 
     python benchmarks/decode_profile.py --model DIR --threads 1,2
 """
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     config = transformers.AutoConfig.from_pretrained(args.model)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     model = colibri.hf.from_pretrained(args.model, torch_dtype=torch.bfloat16, slots_per_layer=experts,
-                                       prefetch=None, warm=[(layer, e) for layer in range(config.num_hidden_layers)
+                                       prefetch=None, decode_layers=False, warm=[(layer, e) for layer in range(config.num_hidden_layers)
                                                             for e in range(experts)])
     model.eval()
     acc: dict[str, float] = {}

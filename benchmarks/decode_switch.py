@@ -10,7 +10,8 @@ routers (``decode_routers``), ``norms`` the native RMS norms
 (``attend_one_query``; off, the same steps use torch's SDPA with grouped
 heads), ``kv_cache`` the key/value cache that appends in place
 (``grow_kv_cache``: two caches of the same prompt, one plain, used at
-alternate steps). Two switches are about streaming, with random tokens:
+alternate steps), ``layers`` the lean decode forward of the decoder layers
+(``decode_layers``; fed random tokens, as below). Two switches are about streaming, with random tokens:
 ``hits_first`` (a cache of a quarter of the experts, PILOT, O_DIRECT)
 toggles computing a layer's resident experts while the workers read the
 others, and ``pilot`` (in RAM) PILOT itself, whose predictions are then
@@ -22,6 +23,7 @@ DIR`` keeps in ``DIR/4bit/hf``.
     python benchmarks/decode_switch.py --model DIR --switch rotary --threads 2
     python benchmarks/decode_switch.py --model DIR --switch attention --threads 2 --prompt-len 2048
     python benchmarks/decode_switch.py --model DIR --switch kv_cache --prompt-len 2048
+    python benchmarks/decode_switch.py --model DIR --switch layers --threads 2 --steps 300
     python benchmarks/decode_switch.py --model DIR --switch hits_first --threads 2 --steps 300
 """
 
@@ -34,7 +36,7 @@ import time
 from typing import Any
 
 SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__",
-            "attention": "_native_fits", "kv_cache": "", "hits_first": "", "pilot": ""}
+            "attention": "_native_fits", "kv_cache": "", "hits_first": "", "pilot": "", "layers": "colibri_qk_norm"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 del module.forward
 
-    times = _alternate(args, model, config, switch, random_tokens=False)
+    times = _alternate(args, model, config, switch, random_tokens=args.switch == "layers")
     model.colibri_close()
     _report(args, f"{len(switched)} modules", times)
     return 0

@@ -1,4 +1,4 @@
-"""benchmarks/decode_profile.py and decode_switch.py's kv_cache and attention switches run
+"""benchmarks/decode_profile.py and decode_switch.py's switches run
 end to end on a tiny model (in child processes: the profile wraps
 transformers' classes for the life of its process) and print their tables.
 
@@ -62,3 +62,9 @@ def test_decode_switch_streaming_switches(tiny: str, switch: str) -> None:
                "--prompt-len", "16")
     assert f"{switch} (" in out and "of the requests missed), 1 thread(s), 6 steps" in out, out
     assert "on / off" in out and "(means: " in out, out
+
+
+def test_decode_switch_toggles_the_lean_layers(tiny: str) -> None:
+    out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", "layers", "--steps", "6",
+               "--prompt-len", "16")
+    assert "layers (4 modules), 1 thread(s), 6 steps" in out and "on / off" in out, out

@@ -42,7 +42,7 @@ GROUPED_SDPA = "colibri_sdpa_grouped"
 
 # Keywords that change what SDPA computes: a call with any of them set goes
 # to transformers' own function unchanged.
-_OTHER_MATH = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
+OTHER_MATH = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
 
 
 def _packable(module: Any, query: Any, attention_mask: Any, kwargs: dict[str, Any]) -> bool:
@@ -50,7 +50,7 @@ def _packable(module: Any, query: Any, attention_mask: Any, kwargs: dict[str, An
         return False
     if attention_mask is not None and attention_mask.shape[1] != 1:
         return False        # a per-head mask: transformers reshapes it itself
-    for k in _OTHER_MATH:
+    for k in OTHER_MATH:
         if kwargs.get(k) is not None and kwargs[k] is not False:
             return False
     return True

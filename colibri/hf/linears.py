@@ -120,7 +120,7 @@ def _make_decode_class() -> Any:
             self._packed: PackedWeight | None = None
             self._packed_key: tuple[Any, ...] = ()
 
-        def _kernel_weight(self) -> PackedWeight:
+        def kernel_weight(self) -> PackedWeight:
             """The weight as the kernel reads it: a view of the weight's memory
             (in-place changes show through), made again when a parameter was
             replaced; the bias is a float32 copy, made again also when it
@@ -140,7 +140,7 @@ def _make_decode_class() -> Any:
                     and w.is_cpu and w.is_contiguous() and x.shape[-1] == self.in_features \
                     and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
                                                           or (self.bias is not None and self.bias.requires_grad))):
-                out = linear(self._kernel_weight(), x.reshape(rows, self.in_features).contiguous())
+                out = linear(self.kernel_weight(), x.reshape(rows, self.in_features).contiguous())
                 return out.view(*x.shape[:-1], self.out_features)
             return functional_linear(x, w, self.bias)
 

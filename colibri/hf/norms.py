@@ -41,7 +41,8 @@ FORMS: dict[str, tuple[str, ...]] = {
     "after_cast": (*_BODY, "return self.weight * hidden_states.to(input_dtype)"),
     "before_cast": (*_BODY, "return (self.weight * hidden_states).to(input_dtype)"),
 }
-_ORDERS = {"after_cast": lib.COLI_RMS_WEIGHT_AFTER_CAST, "before_cast": lib.COLI_RMS_WEIGHT_BEFORE_CAST}
+#: coli_rms_norm's order of each form (where the weight multiplies: after or before the cast).
+WEIGHT_ORDERS = {"after_cast": lib.COLI_RMS_WEIGHT_AFTER_CAST, "before_cast": lib.COLI_RMS_WEIGHT_BEFORE_CAST}
 _ERR_LEN = 256
 _TORCH_CODES: dict[Any, int] = {}  # filled by float_codes() once torch is imported
 
@@ -93,7 +94,7 @@ def _compute(x: Any, weight: Any, eps: float, form: str, codes: dict[Any, int]) 
     n = weight.numel()
     rc = lib.coli_rms_norm(ffi.cast("const void *", x.data_ptr()), ffi.cast("void *", out.data_ptr()),
                            ffi.cast("const void *", weight.data_ptr()), x.numel() // n if n else 0, n,
-                           codes[x.dtype], codes[weight.dtype], codes[out_dtype], float(eps), _ORDERS[form],
+                           codes[x.dtype], codes[weight.dtype], codes[out_dtype], float(eps), WEIGHT_ORDERS[form],
                            err, _ERR_LEN)
     if rc < 0:
         raise error_for(rc, ffi.string(err).decode(errors="replace"))

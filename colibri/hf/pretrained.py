@@ -10,6 +10,7 @@ from colibri.errors import ColibriError, FormatError
 from colibri.hf.accept import (ACCEPTED_QUANT_METHODS, IMPLEMENTATION, SUPPORTED_MODEL_TYPES,
                                UnsupportedModelError, check_quantization, read_config)
 from colibri.hf.attention import use_decode_sdpa
+from colibri.hf.decode_layers import use_decode_layers
 from colibri.hf.kv_cache import grow_given_cache
 from colibri.hf.linears import pack_linears as swap_packed_linears
 from colibri.hf.linears import use_decode_linears
@@ -43,6 +44,7 @@ def from_pretrained(
     decode_norms: bool = True,
     decode_routers: bool = True,
     decode_rotary: bool = True,
+    decode_layers: bool = True,
     grow_kv_cache: bool = True,
     **store_options: Any,
 ) -> Any:
@@ -88,6 +90,10 @@ def from_pretrained(
     rotary embedding function of the model's modeling module computes
     one-token calls natively, the same bits, for every model of that
     family in the process (:func:`~colibri.hf.rotary.use_decode_rotary`).
+    ``decode_layers`` (with ``kernels="native"``): the decoder layers of a
+    family :mod:`colibri.hf.decode_layers` knows compute a one-token step
+    in one lean forward that calls the same native functions on buffers it
+    keeps, the same bits (:func:`~colibri.hf.decode_layers.use_decode_layers`).
     ``grow_kv_cache``: a transformers ``DynamicCache`` given to the model's
     forward (as ``generate`` gives it) appends each step's keys and values
     in place instead of copying the whole cache
@@ -133,6 +139,8 @@ def from_pretrained(
             model.colibri.decode_routers = use_decode_routers(model)
         if kernels == "native" and decode_rotary:
             model.colibri.decode_rotary = use_decode_rotary(model)
+        if kernels == "native" and decode_layers:
+            model.colibri.decode_layers = use_decode_layers(model)
         if decode_blas and OneTokenBlas.wanted(model):
             hooks = OneTokenBlas()
             model.register_forward_pre_hook(hooks.before, with_kwargs=True)

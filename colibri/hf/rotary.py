@@ -101,6 +101,12 @@ def _compute(x: Any, cos: Any, sin: Any, codes: dict[Any, int]) -> Any:
     return out
 
 
+def is_native(function: Any) -> bool:
+    """Whether ``function`` is a modeling module's rotary embedding as
+    :func:`use_decode_rotary` replaced it."""
+    return hasattr(function, _MARK)
+
+
 def _native(original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (:data:`FORM`) with its one-token CPU calls computed natively."""
 

@@ -135,7 +135,7 @@ def _compute(logits: Any, k: int, renorm: bool, scores_dtype: Any, codes: dict[A
 _weights: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], PackedWeight]]" = weakref.WeakKeyDictionary()
 
 
-def _kernel_weight(module: Any, w: Any) -> PackedWeight:
+def kernel_weight(module: Any, w: Any) -> PackedWeight:
     key = (w.data_ptr(), w.dtype, tuple(w.shape))
     held = _weights.get(module)
     if held is None or held[0] != key:
@@ -159,7 +159,7 @@ def _native_forward(self: Any, hidden_states: Any) -> Any:
             and 1 <= int(self.top_k) <= w.shape[0] \
             and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
         form = FORMS[self.colibri_router_form]
-        logits = linear(_kernel_weight(self, w), hidden_states.reshape(rows, n_in).contiguous())
+        logits = linear(kernel_weight(self, w), hidden_states.reshape(rows, n_in).contiguous())
         renorm = True if form.renorm == "always" else bool(getattr(self, form.renorm))
         scores_dtype = logits.dtype if form.scores == "logits" else torch.float32
         scores, index = _compute(logits, int(self.top_k), renorm, scores_dtype, codes, torch)

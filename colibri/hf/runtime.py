@@ -120,6 +120,9 @@ class Runtime:
         #: How many modeling modules' rotary embedding computes one-token calls natively
         #: (colibri.hf.rotary.use_decode_rotary; 0 with kernels="torch" or decode_rotary=False).
         self.decode_rotary = 0
+        #: How many decoder layers compute a one-token step in one lean forward
+        #: (colibri.hf.decode_layers.use_decode_layers; 0 with kernels="torch" or decode_layers=False).
+        self.decode_layers = 0
         #: True when a forward of one token runs with oneDNN off (from_pretrained's decode_blas).
         self.decode_blas = False
         #: True when a forward of a few rows gives torch's threads to the kernels (decode_threads).

@@ -1,0 +1,383 @@
+"""A decoder layer's decode step in one lean forward.
+
+A transformers decoder layer computes one token through a dozen module
+calls, transformers' keyword plumbing and, in colibri.hf, one operand check
+and one new output tensor per native call. On a decode step of a small MoE
+layer that Python costs about as much as the layer's kernels, and it runs on
+one thread while the kernels use all of them. :func:`use_decode_layers`
+gives each decoder layer of a family it knows (:data:`FAMILIES`) a forward
+that, for one token, calls the same native functions in the same order on
+buffers it keeps, its operands checked once per step: the same bits as the
+modules' own forwards (norms, projections, rotary, the key/value cache's
+update, attention, router, experts), which it calls in their place.
+
+A step takes this path when it is one token of batch 1 on the CPU without
+autograd, in the layer's dtype (float32 or bfloat16, every weight the path
+reads in it), with no attention mask and colibri's decode attention
+(``colibri_sdpa``), no keyword that changes the attention's math, no hook on
+the modules it skips, and no other thread in the same layer's step; the
+layer's class's forward computes everything else.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+import weakref
+from typing import Any, NamedTuple
+
+from colibri import kernels
+from colibri._ffi import ffi, lib
+from colibri.compute_threads import compute_pool, default_threads
+from colibri.errors import error_for
+from colibri.hf import routers
+from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
+from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
+from colibri.hf.rotary import is_native
+
+__all__ = ["FAMILIES", "use_decode_layers"]
+
+#: The decoder layers this path computes: transformers' modeling module,
+#: the layer's class, its attention's class, its MoE block's class, and
+#: whether the attention RMS-norms each query and key head (``q_norm``,
+#: ``k_norm``). Each computes pre-norm grouped-query attention with the
+#: rotary embedding, then a softmax top-k routed MoE block, each added to
+#: the residual stream.
+FAMILIES = (
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention",
+     "Qwen3MoeSparseMoeBlock", True),
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralDecoderLayer", "MixtralAttention",
+     "MixtralSparseMoeBlock", False),
+)
+
+_ERR_LEN = 256
+
+
+def use_decode_layers(model: Any) -> int:
+    """Gives each decoder layer of ``model`` whose classes are one of
+    :data:`FAMILIES` the lean decode forward (see the module's comment);
+    returns how many. A layer that already has a forward of its own is left
+    alone. The modules and parameters stay as they are."""
+    known = _known_classes()
+    count = 0
+    for module in model.modules():
+        classes = known.get(type(module))
+        if classes is None or "forward" in vars(module):
+            continue
+        attention, block, qk_norm = classes
+        if type(getattr(module, "self_attn", None)) is not attention or type(getattr(module, "mlp", None)) is not block:
+            continue
+        module.colibri_qk_norm = qk_norm
+        module.forward = types.MethodType(_decode_forward, module)
+        count += 1
+    return count
+
+
+def _known_classes() -> dict[type, tuple[type, type, bool]]:
+    known = {}
+    for name, layer, attention, block, qk_norm in FAMILIES:
+        mod = sys.modules.get(name)
+        if mod is not None and all(hasattr(mod, c) for c in (layer, attention, block)):
+            known[getattr(mod, layer)] = (getattr(mod, attention), getattr(mod, block), qk_norm)
+    return known
+
+
+class _Modules(NamedTuple):
+    """The modules of a layer the lean step computes with (the norms of
+    query and key heads None in a family without them)."""
+
+    attn: Any
+    q_proj: Any
+    k_proj: Any
+    v_proj: Any
+    o_proj: Any
+    input_norm: Any
+    post_norm: Any
+    mlp: Any
+    gate: Any
+    q_norm: Any
+    k_norm: Any
+
+
+def _modules_of(layer: Any) -> _Modules:
+    attn, mlp = layer.self_attn, layer.mlp
+    qk = bool(getattr(layer, "colibri_qk_norm", False))
+    return _Modules(attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.input_layernorm,
+                    layer.post_attention_layernorm, mlp, mlp.gate, attn.q_norm if qk else None,
+                    attn.k_norm if qk else None)
+
+
+# Each layer's plans by dtype, with weak references to the modules they were
+# made for (kept outside the module, and holding no module: a deep copy of
+# the model makes its own, and a dropped model is freed).
+_plans: "weakref.WeakKeyDictionary[Any, dict[Any, tuple[tuple[Any, ...], _Plan | None]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _decode_forward(self: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+    """The layer's forward as :func:`use_decode_layers` sets it."""
+    by_dtype = _plans.get(self)
+    if by_dtype is None:
+        by_dtype = _plans[self] = {}
+    dtype = getattr(hidden_states, "dtype", None)
+    modules = _modules_of(self)
+    held = by_dtype.get(dtype)
+    if held is None or len(held[0]) != len(modules) or any(r() is not m for r, m in zip(held[0], modules)):
+        held = by_dtype[dtype] = (tuple(weakref.ref(m) if m is not None else _none for m in modules),
+                                  _Plan.make(self, modules, dtype))
+    plan = held[1]
+    if plan is not None and not args and plan.lock.acquire(blocking=False):
+        try:
+            out = plan.step(self, modules, hidden_states, kwargs)
+        finally:
+            plan.lock.release()
+        if out is not None:
+            return out
+    return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
+def _none() -> None:
+    """A dead reference's stand-in, for a module a family does not have."""
+    return None
+
+
+class _Plan:
+    """One layer's lean step for one dtype: its sizes, buffers and native
+    calls (its modules are looked up at every step)."""
+
+    @staticmethod
+    def make(layer: Any, m: _Modules, dtype: Any) -> "_Plan | None":
+        """The plan of ``layer`` for ``dtype`` activations, or None when its
+        modules are not ones this path computes as they do."""
+        codes = float_codes()
+        if dtype not in codes:
+            return None
+        attn = m.attn
+        hidden = int(m.input_norm.weight.numel())
+        heads, kv_heads = int(attn.config.num_attention_heads), int(attn.config.num_key_value_heads)
+        d = int(attn.head_dim)
+        plan = _Plan(dtype, hidden, heads, kv_heads, d, m.q_norm is not None, int(m.gate.weight.shape[0]))
+        if max(hidden, heads * d) > DECODE_NORM_VALUES or heads <= kv_heads or heads % kv_heads \
+                or not plan._weights_fit(m):
+            return None     # the modules' own forwards would not all compute natively
+        return plan
+
+    def __init__(self, dtype: Any, hidden: int, heads: int, kv_heads: int, d: int, qk_norm: bool,
+                 experts: int) -> None:
+        torch = sys.modules["torch"]
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.attention_functions: Any = ALL_ATTENTION_FUNCTIONS
+        self.dtype, self.code = dtype, float_codes()[dtype]
+        self.hidden, self.heads, self.kv_heads, self.d, self.qk_norm = hidden, heads, kv_heads, d, qk_norm
+        self.experts = experts
+        self.lock = threading.Lock()
+        self.err = ffi.new("char[]", _ERR_LEN)
+        empty = torch.empty
+        self.normed = empty((1, 1, hidden), dtype=dtype)      # the input norm's output
+        self.q = empty((1, 1, heads, d), dtype=dtype)
+        self.k = empty((1, 1, kv_heads, d), dtype=dtype)
+        self.q_normed = empty((1, 1, heads, d), dtype=dtype)
+        self.k_normed = empty((1, 1, kv_heads, d), dtype=dtype)
+        self.q_rotated = empty((1, heads, 1, d), dtype=dtype)
+        self.attended = empty((1, 1, heads, d), dtype=dtype)
+        self.o = empty((1, 1, hidden), dtype=dtype)
+        self.post = empty((1, hidden), dtype=dtype)           # the post-attention norm's output
+        self.logits = empty((1, experts), dtype=dtype)
+        self.attention = ffi.new("ColiDecodeAttention *", {
+            "q": _ptr(self.q_rotated), "out": _ptr(self.attended), "batch": 1, "heads": heads,
+            "kv_heads": kv_heads, "d": d, "dv": d, "format": self.code})
+        self.ptr = {name: _ptr(getattr(self, name)) for name in ("normed", "q", "k", "q_normed", "k_normed",
+                                                                 "q_rotated", "post")}
+        # one call per projection and the router, operands this plan's buffers (v's output: set per step)
+        self.calls = [self._linear_call(x, out) for x, out in ((self.normed, self.q), (self.normed, self.k),
+                                                              (self.normed, self.k), (self.attended, self.o),
+                                                              (self.post, self.logits))]
+        self.shapes = ((heads * d, hidden), (kv_heads * d, hidden), (kv_heads * d, hidden), (hidden, heads * d),
+                       (experts, hidden))
+
+    def _weights_fit(self, m: _Modules) -> bool:
+        """Whether every weight the step reads is what this plan was made
+        for, as the modules' native forwards take it."""
+        norms = ((m.input_norm, self.hidden), (m.post_norm, self.hidden), (m.q_norm, self.d), (m.k_norm, self.d))
+        for norm, n in norms[:4 if self.qk_norm else 2]:
+            w = getattr(norm, "weight", None)
+            if w is None or not getattr(norm, "colibri_rms_form", None) or "forward" not in vars(norm) \
+                    or w.dtype != self.dtype or w.dim() != 1 or w.numel() != n or not w.is_contiguous() \
+                    or not w.is_cpu:
+                return False
+        weights = self._weights(m)
+        return weights is not None and all(tuple(w.shape) == s for w, s in zip(weights, self.shapes))
+
+    def _weights(self, m: _Modules) -> list[Any] | None:
+        """The projections' and the router's PackedWeight, or None."""
+        weights = [_projection_weight(p, self.dtype) for p in (m.q_proj, m.k_proj, m.v_proj, m.o_proj)]
+        if any(w is None for w in weights) or not _routes_natively(m.gate, self.dtype, self.hidden):
+            return None
+        weights.append(routers.kernel_weight(m.gate, m.gate.weight))
+        return weights
+
+    def _linear_call(self, x: Any, out: Any) -> Any:
+        return ffi.new("ColiFfnCall *", {
+            "x": _ptr(x), "x_format": self.code, "x_stride": x.numel(),
+            "out": _ptr(out), "out_format": self.code, "out_stride": out.numel(), "tokens": 1})
+
+    def _fits(self, layer: Any, m: _Modules, h: Any, kwargs: dict[str, Any], torch: Any) -> bool:
+        """Whether this step is one the modules would compute natively."""
+        if torch.is_grad_enabled() or h.dtype != self.dtype or tuple(h.shape) != (1, 1, self.hidden) \
+                or not h.is_cpu or not h.is_contiguous() or layer.training or m.attn.training or m.mlp.training:
+            return False
+        if kwargs.get("attention_mask") is not None or m.attn.config._attn_implementation != DECODE_SDPA \
+                or self.attention_functions.get_interface(DECODE_SDPA, None) is None:
+            return False
+        if any(kwargs.get(k) is not None and kwargs[k] is not False for k in OTHER_MATH):
+            return False
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks \
+                or any(x is not None and (x._forward_hooks or x._forward_pre_hooks) for x in m):
+            return False
+        return is_native(sys.modules[type(m.attn).__module__].apply_rotary_pos_emb)
+
+    def step(self, layer: Any, m: _Modules, h: Any, kwargs: dict[str, Any]) -> Any:
+        """The output of ``layer`` (modules ``m``) for ``h`` (1, 1, hidden),
+        or None when this step does not fit the path (nothing computed
+        then)."""
+        torch = sys.modules["torch"]
+        if not self._fits(layer, m, h, kwargs, torch):
+            return None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        pe = kwargs.get("position_embeddings")
+        if cache is None or pe is None or len(pe) != 2:
+            return None
+        cos, sin = pe
+        d = self.d
+        if not all(isinstance(t, torch.Tensor) and t.dtype == self.dtype and tuple(t.shape) == (1, 1, d)
+                   and t.is_cpu and t.is_contiguous() for t in (cos, sin)):
+            return None
+        if not self._weights_fit(m):
+            return None
+        weights = self._weights(m)
+        assert weights is not None
+        pool = compute_pool(default_threads(True))
+        isa = kernels.call_isa()
+        for call in self.calls:
+            call.isa = isa
+        ptr = self.ptr
+        # attention, as the attention module's forward computes it
+        self._norm(m.input_norm, _ptr(h), ptr["normed"], 1)
+        v = torch.empty((1, 1, self.kv_heads, d), dtype=self.dtype)
+        self.calls[2].out = _ptr(v)
+        for i in range(3):
+            self._linear(weights[i], self.calls[i], pool)
+        q, k = ptr["q"], ptr["k"]
+        if self.qk_norm:
+            self._norm(m.q_norm, q, ptr["q_normed"], self.heads)
+            self._norm(m.k_norm, k, ptr["k_normed"], self.kv_heads)
+            q, k = ptr["q_normed"], ptr["k_normed"]
+        k_rotated = torch.empty((1, self.kv_heads, 1, d), dtype=self.dtype)
+        cos_p, sin_p = _ptr(cos), _ptr(sin)
+        self._rotary(q, ptr["q_rotated"], self.heads, cos_p, sin_p)
+        self._rotary(k, _ptr(k_rotated), self.kv_heads, cos_p, sin_p)
+        # the keywords the layer's forward gives its attention, which gives them to the cache
+        passed = {key: value for key, value in kwargs.items() if key not in _LAYER_ONLY}
+        keys, values = cache.update(k_rotated, v.transpose(1, 2), m.attn.layer_idx, kwargs=passed)
+        if not self._attend(keys, values, float(m.attn.scaling), pool):
+            self._attend_by_module(m.attn, keys, values, passed)
+        self._linear(weights[3], self.calls[3], pool)
+        h = h + self.o
+        # the MoE block, as its forward computes it
+        self._norm(m.post_norm, _ptr(h), ptr["post"], 1)
+        self._linear(weights[4], self.calls[4], pool)
+        scores, index = self._route(m.gate, torch)
+        routed = m.mlp.experts(self.post, index, scores)
+        return h + routed.view(1, 1, self.hidden)
+
+    def _norm(self, module: Any, x: Any, out: Any, rows: int) -> None:
+        """``module``'s RMS norm of ``rows`` rows at x into out (pointers)."""
+        w = module.weight
+        rc = lib.coli_rms_norm(x, out, _ptr(w), rows, w.numel(), self.code, self.code, self.code,
+                               float(module.variance_epsilon), WEIGHT_ORDERS[module.colibri_rms_form], self.err, _ERR_LEN)
+        self._check(rc)
+
+    def _linear(self, weight: Any, call: Any, pool: Any) -> None:
+        self._check(lib.coli_linear(weight.matrix(), call, pool, self.err, _ERR_LEN))
+
+    def _rotary(self, x: Any, out: Any, heads: int, cos: Any, sin: Any) -> None:
+        """The rotary embedding of ``heads`` heads at x into out (pointers)."""
+        rc = lib.coli_rotary(x, out, heads, heads, self.d, cos, sin, self.code, self.err, _ERR_LEN)
+        self._check(rc)
+
+    def _attend(self, keys: Any, values: Any, scaling: float, pool: Any) -> bool:
+        n = int(keys.shape[2]) if keys.dim() == 4 else 0
+        shape = (1, self.kv_heads, n, self.d)
+        if not n or tuple(keys.shape) != shape or tuple(values.shape) != shape or keys.dtype != self.dtype \
+                or values.dtype != self.dtype or keys.stride(3) != 1 or values.stride(3) != 1 \
+                or not (keys.is_cpu and values.is_cpu):
+            return False
+        a = self.attention
+        a.k, a.v, a.n, a.scale, a.isa = _ptr(keys), _ptr(values), n, scaling, kernels.call_isa()
+        a.k_batch, a.k_head, a.k_token = keys.stride(0), keys.stride(1), keys.stride(2)
+        a.v_batch, a.v_head, a.v_token = values.stride(0), values.stride(1), values.stride(2)
+        self._check(lib.coli_decode_attention(a, pool, self.err, _ERR_LEN))
+        return True
+
+    def _attend_by_module(self, attn: Any, keys: Any, values: Any, passed: dict[str, Any]) -> None:
+        """Attention over keys and values the native call does not read, by
+        the attention function the module's forward would call (colibri's
+        decode attention, whose own fallback then computes it)."""
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(attn.config, "sliding_window", None)
+        function = self.attention_functions.get_interface(DECODE_SDPA, None)
+        out, _ = function(attn, self.q_rotated, keys, values, None, dropout=0.0, scaling=attn.scaling,
+                          sliding_window=window, **passed)
+        self.attended.copy_(out.reshape(self.attended.shape))
+
+    def _route(self, gate: Any, torch: Any) -> tuple[Any, Any]:
+        """The router's top-k of the logits, as its native forward routes."""
+        form = routers.FORMS[gate.colibri_router_form]
+        k, experts = int(gate.top_k), self.experts
+        renorm = True if form.renorm == "always" else bool(getattr(gate, form.renorm))
+        scores_dtype = self.dtype if form.scores == "logits" else torch.float32
+        scores = torch.empty((1, k), dtype=scores_dtype)
+        index = torch.empty((1, k), dtype=torch.int64)
+        rc = lib.coli_router_topk(_ptr(self.logits), self.code, 1, experts, k, int(renorm), _ptr(scores),
+                                  float_codes()[scores_dtype], ffi.cast("int64_t *", index.data_ptr()), self.err,
+                                  _ERR_LEN)
+        self._check(rc)
+        return scores, index
+
+    def _check(self, rc: int) -> None:
+        if rc < 0:
+            raise error_for(rc, ffi.string(self.err).decode(errors="replace"))
+
+
+# Keywords of the layer's forward that its attention does not pass on to the cache.
+_LAYER_ONLY = ("attention_mask", "cache", "past_key_values", "position_embeddings")
+
+
+def _routes_natively(gate: Any, dtype: Any, hidden: int) -> bool:
+    """Whether the router's own forward would route one row natively."""
+    w = gate.weight
+    return "forward" in vars(gate) and w.dtype == dtype and w.is_cpu and w.dim() == 2 and w.shape[1] == hidden \
+        and int(gate.hidden_dim) == hidden and w.is_contiguous() and 1 <= int(gate.top_k) <= w.shape[0]
+
+
+def _ptr(t: Any) -> Any:
+    return ffi.cast("void *", t.data_ptr())
+
+
+def _projection_weight(module: Any, dtype: Any) -> Any:
+    """The :class:`~colibri.linear.PackedWeight` colibri's kernel computes
+    projection ``module`` with for ``dtype`` inputs, or None when its
+    forward would not call the kernel."""
+    packed = getattr(module, "packed", None)
+    if packed is not None and hasattr(packed, "matrix"):
+        return packed
+    own = getattr(module, "kernel_weight", None)
+    w = getattr(module, "weight", None)
+    if own is None or w is None or w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
+        return None
+    b = getattr(module, "bias", None)
+    if b is not None and b.requires_grad and sys.modules["torch"].is_grad_enabled():
+        return None
+    return own()
