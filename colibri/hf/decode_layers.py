@@ -159,7 +159,7 @@ class _Plan:
         d = int(attn.head_dim)
         plan = _Plan(dtype, hidden, heads, kv_heads, d, m.q_norm is not None, int(m.gate.weight.shape[0]))
         if max(hidden, heads * d) > DECODE_NORM_VALUES or heads <= kv_heads or heads % kv_heads \
-                or not plan._weights_fit(m):
+                or plan._fitting_weights(m) is None:
             return None     # the modules' own forwards would not all compute natively
         return plan
 
@@ -197,18 +197,21 @@ class _Plan:
         self.shapes = ((heads * d, hidden), (kv_heads * d, hidden), (kv_heads * d, hidden), (hidden, heads * d),
                        (experts, hidden))
 
-    def _weights_fit(self, m: _Modules) -> bool:
-        """Whether every weight the step reads is what this plan was made
-        for, as the modules' native forwards take it."""
+    def _fitting_weights(self, m: _Modules) -> list[Any] | None:
+        """The projections' and the router's PackedWeight when every weight
+        the step reads is what this plan was made for, as the modules'
+        native forwards take it; else None."""
         norms = ((m.input_norm, self.hidden), (m.post_norm, self.hidden), (m.q_norm, self.d), (m.k_norm, self.d))
         for norm, n in norms[:4 if self.qk_norm else 2]:
             w = getattr(norm, "weight", None)
             if w is None or not getattr(norm, "colibri_rms_form", None) or "forward" not in vars(norm) \
                     or w.dtype != self.dtype or w.dim() != 1 or w.numel() != n or not w.is_contiguous() \
                     or not w.is_cpu:
-                return False
+                return None
         weights = self._weights(m)
-        return weights is not None and all(tuple(w.shape) == s for w, s in zip(weights, self.shapes))
+        if weights is None or any(tuple(w.shape) != s for w, s in zip(weights, self.shapes)):
+            return None
+        return weights
 
     def _weights(self, m: _Modules) -> list[Any] | None:
         """The projections' and the router's PackedWeight, or None."""
@@ -255,10 +258,9 @@ class _Plan:
         if not all(isinstance(t, torch.Tensor) and t.dtype == self.dtype and tuple(t.shape) == (1, 1, d)
                    and t.is_cpu and t.is_contiguous() for t in (cos, sin)):
             return None
-        if not self._weights_fit(m):
+        weights = self._fitting_weights(m)
+        if weights is None:
             return None
-        weights = self._weights(m)
-        assert weights is not None
         pool = compute_pool(default_threads(True))
         isa = kernels.call_isa()
         for call in self.calls:
