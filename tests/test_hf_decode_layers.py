@@ -54,9 +54,9 @@ def case(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
 
 
 @pytest.fixture()
-def taken(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def taken(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """How many layer steps the lean path computed (appended to per step)."""
-    counts: list[int] = []
+    counts: list[bool] = []
     step = decode_layers._Plan.step
 
     def counted(self: Any, *args: Any) -> Any:
@@ -86,7 +86,7 @@ def test_every_layer_of_the_family_takes_the_path(case: tuple[Any, Any, Any]) ->
     assert all("forward" in vars(layer) for layer in lean.model.layers)
 
 
-def test_decode_steps_give_the_bits_of_the_modules(case: tuple[Any, Any, Any], taken: list[int]) -> None:
+def test_decode_steps_give_the_bits_of_the_modules(case: tuple[Any, Any, Any], taken: list[bool]) -> None:
     lean, modules, _ = case
     with torch.no_grad():
         got, want = _steps(lean), _steps(modules)
@@ -96,13 +96,13 @@ def test_decode_steps_give_the_bits_of_the_modules(case: tuple[Any, Any, Any], t
         assert torch.equal(a, b)
 
 
-def test_greedy_generation_is_the_same(case: tuple[Any, Any, Any], taken: list[int]) -> None:
+def test_greedy_generation_is_the_same(case: tuple[Any, Any, Any], taken: list[bool]) -> None:
     lean, modules, _ = case
     assert_same_greedy(lean, modules, 0.0)
     assert sum(taken) > 0
 
 
-def test_steps_it_does_not_take_go_to_the_layers_forward(case: tuple[Any, Any, Any], taken: list[int]) -> None:
+def test_steps_it_does_not_take_go_to_the_layers_forward(case: tuple[Any, Any, Any], taken: list[bool]) -> None:
     lean, modules, _ = case
     # autograd on: the class's forward, the same logits
     got, want = _steps(lean, 2), _steps(modules, 2)
@@ -112,7 +112,7 @@ def test_steps_it_does_not_take_go_to_the_layers_forward(case: tuple[Any, Any, A
 
 
 def test_recording_hooks_make_the_path_step_aside(tmp_path_factory: pytest.TempPathFactory,
-                                                  taken: list[int]) -> None:
+                                                  taken: list[bool]) -> None:
     """Asking for the routers' logits makes transformers hook the routers
     (for good): the layers' own forwards then run, and record them all."""
     path = write_tiny_moe(str(tmp_path_factory.mktemp("decode-layers-hooks")), "qwen3_moe", hidden_size=64, seed=8)
@@ -141,7 +141,7 @@ def _last_router_logits(model: Any) -> tuple[Any, ...]:
 
 
 def test_a_layer_busy_in_another_thread_is_computed_by_its_forward(case: tuple[Any, Any, Any],
-                                                                   taken: list[int]) -> None:
+                                                                   taken: list[bool]) -> None:
     lean, modules, _ = case
     with torch.no_grad():
         _steps(lean, 1)                       # the plans exist
@@ -163,7 +163,7 @@ def test_a_layer_busy_in_another_thread_is_computed_by_its_forward(case: tuple[A
 
 
 def test_another_attention_implementation_is_left_to_the_layer(case: tuple[Any, Any, Any],
-                                                               taken: list[int]) -> None:
+                                                               taken: list[bool]) -> None:
     lean, modules, _ = case
     before = lean.config._attn_implementation
     try:
@@ -180,7 +180,7 @@ def test_another_attention_implementation_is_left_to_the_layer(case: tuple[Any, 
 
 
 def test_keys_the_native_attention_cannot_read_go_to_the_attention_function(
-        case: tuple[Any, Any, Any], taken: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+        case: tuple[Any, Any, Any], taken: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache that returns its keys with strided rows: after the cache's
     update the lean step hands the attention to the attention function, as
     the module does (which computes it with torch's SDPA)."""
@@ -201,7 +201,7 @@ def test_keys_the_native_attention_cannot_read_go_to_the_attention_function(
         assert torch.equal(a, b)
 
 
-def test_a_weight_changed_in_place_shows_through(case: tuple[Any, Any, Any], taken: list[int]) -> None:
+def test_a_weight_changed_in_place_shows_through(case: tuple[Any, Any, Any], taken: list[bool]) -> None:
     lean, modules, _ = case
     norms = [m.model.layers[1].post_attention_layernorm.weight for m in (lean, modules)]
     with torch.no_grad():
@@ -229,7 +229,7 @@ def test_other_families_keep_their_layers(tmp_path_factory: pytest.TempPathFacto
         model.colibri_close()
 
 
-def test_a_swapped_module_makes_a_new_plan(tmp_path_factory: pytest.TempPathFactory, taken: list[int]) -> None:
+def test_a_swapped_module_makes_a_new_plan(tmp_path_factory: pytest.TempPathFactory, taken: list[bool]) -> None:
     """A projection replaced by a float nn.Linear, which the path does not
     compute: the layer's own forward from then on, the same logits; a
     dropped model's layers are freed (the plans hold no module)."""

@@ -6,10 +6,10 @@ and one new output tensor per native call. On a decode step of a small MoE
 layer that Python costs about as much as the layer's kernels, and it runs on
 one thread while the kernels use all of them. :func:`use_decode_layers`
 gives each decoder layer of a family it knows (:data:`FAMILIES`) a forward
-that, for one token, calls the same native functions in the same order on
-buffers it keeps, its operands checked once per step: the same bits as the
-modules' own forwards (norms, projections, rotary, the key/value cache's
-update, attention, router, experts), which it calls in their place.
+that, for one token, calls the native functions the modules' own forwards
+call (norms, projections, rotary, attention, router), in the same order, on
+buffers it keeps, its operands checked once per step, and the key/value
+cache's update and the experts module as they do: the same bits.
 
 A step takes this path when it is one token of batch 1 on the CPU without
 autograd, in the layer's dtype (float32 or bfloat16, every weight the path
@@ -121,11 +121,14 @@ def _decode_forward(self: Any, hidden_states: Any, *args: Any, **kwargs: Any) ->
     if by_dtype is None:
         by_dtype = _plans[self] = {}
     dtype = getattr(hidden_states, "dtype", None)
-    modules = _modules_of(self)
+    try:
+        modules = _modules_of(self)
+    except AttributeError:      # a module replaced by one without the family's parts
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     held = by_dtype.get(dtype)
     if held is None or len(held[0]) != len(modules) or any(r() is not m for r, m in zip(held[0], modules)):
         held = by_dtype[dtype] = (tuple(weakref.ref(m) if m is not None else _none for m in modules),
-                                  _Plan.make(self, modules, dtype))
+                                  _Plan.make(modules, dtype))
     plan = held[1]
     if plan is not None and not args and plan.lock.acquire(blocking=False):
         try:
@@ -147,21 +150,24 @@ class _Plan:
     calls (its modules are looked up at every step)."""
 
     @staticmethod
-    def make(layer: Any, m: _Modules, dtype: Any) -> "_Plan | None":
-        """The plan of ``layer`` for ``dtype`` activations, or None when its
-        modules are not ones this path computes as they do."""
+    def make(m: _Modules, dtype: Any) -> "_Plan | None":
+        """The plan of a layer of modules ``m`` for ``dtype`` activations, or
+        None when its modules are not ones this path computes as they do."""
         codes = float_codes()
         if dtype not in codes:
             return None
         attn = m.attn
-        hidden = int(m.input_norm.weight.numel())
-        heads, kv_heads = int(attn.config.num_attention_heads), int(attn.config.num_key_value_heads)
-        d = int(attn.head_dim)
-        plan = _Plan(dtype, hidden, heads, kv_heads, d, m.q_norm is not None, int(m.gate.weight.shape[0]))
-        if max(hidden, heads * d) > DECODE_NORM_VALUES or heads <= kv_heads or heads % kv_heads \
-                or plan._fitting_weights(m) is None:
-            return None     # the modules' own forwards would not all compute natively
-        return plan
+        try:
+            hidden = int(m.input_norm.weight.numel())
+            heads, kv_heads = int(attn.config.num_attention_heads), int(attn.config.num_key_value_heads)
+            d, experts = int(attn.head_dim), int(m.gate.weight.shape[0])
+        except (AttributeError, TypeError, IndexError):
+            return None
+        if min(hidden, kv_heads, d, experts) < 1 or heads <= kv_heads or heads % kv_heads \
+                or max(hidden, heads * d) > DECODE_NORM_VALUES:
+            return None     # not grouped-query attention, or norms their forward computes with torch
+        plan = _Plan(dtype, hidden, heads, kv_heads, d, m.q_norm is not None, experts)
+        return plan if plan._fitting_weights(m) is not None else None
 
     def __init__(self, dtype: Any, hidden: int, heads: int, kv_heads: int, d: int, qk_norm: bool,
                  experts: int) -> None:
