@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     config = transformers.AutoConfig.from_pretrained(args.model)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     model = colibri.hf.from_pretrained(args.model, torch_dtype=torch.bfloat16, slots_per_layer=experts,
-                                       prefetch=None, decode_layers=False, warm=[(layer, e) for layer in range(config.num_hidden_layers)
-                                                            for e in range(experts)])
+                                       prefetch=None, decode_layers=False,
+                                       warm=[(layer, e) for layer in range(config.num_hidden_layers)
+                                             for e in range(experts)])
     model.eval()
     acc: dict[str, float] = {}
     _instrument(model, acc)

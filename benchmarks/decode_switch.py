@@ -10,14 +10,14 @@ routers (``decode_routers``), ``norms`` the native RMS norms
 (``attend_one_query``; off, the same steps use torch's SDPA with grouped
 heads), ``kv_cache`` the key/value cache that appends in place
 (``grow_kv_cache``: two caches of the same prompt, one plain, used at
-alternate steps), ``layers`` the lean decode forward of the decoder layers
-(``decode_layers``; fed random tokens, as below). Two switches are about streaming, with random tokens:
-``hits_first`` (a cache of a quarter of the experts, PILOT, O_DIRECT)
-toggles computing a layer's resident experts while the workers read the
-others, and ``pilot`` (in RAM) PILOT itself, whose predictions are then
-all resident: what predicting costs. The model is any checkpoint
-colibri.hf loads, e.g. the 4-bit one ``benchmarks/generate.py --models
-DIR`` keeps in ``DIR/4bit/hf``.
+alternate steps), ``layers`` the lean decode forward of the decoder
+layers (``decode_layers``; fed random tokens, as below). Two switches are
+about streaming, with random tokens: ``hits_first`` (a cache of a quarter
+of the experts, PILOT, O_DIRECT) toggles computing a layer's resident
+experts while the workers read the others, and ``pilot`` (in RAM) PILOT
+itself, whose predictions are then all resident: what predicting costs.
+The model is any checkpoint colibri.hf loads, e.g. the 4-bit one
+``benchmarks/generate.py --models DIR`` keeps in ``DIR/4bit/hf``.
 
     python benchmarks/decode_switch.py --model DIR --switch routers --threads 1
     python benchmarks/decode_switch.py --model DIR --switch rotary --threads 2

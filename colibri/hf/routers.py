@@ -136,6 +136,8 @@ _weights: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], PackedWeight]]"
 
 
 def kernel_weight(module: Any, w: Any) -> PackedWeight:
+    """Router ``module``'s weight ``w`` as colibri's linear kernel reads it
+    (a view of its memory), made again when the parameter was replaced."""
     key = (w.data_ptr(), w.dtype, tuple(w.shape))
     held = _weights.get(module)
     if held is None or held[0] != key:
