@@ -261,3 +261,38 @@ def test_a_swapped_module_makes_a_new_plan(tmp_path_factory: pytest.TempPathFact
     del lean, modules
     gc.collect()
     assert layer() is None
+
+
+def test_a_forward_of_a_modules_own_is_not_skipped(tmp_path_factory: pytest.TempPathFactory,
+                                                   taken: list[bool]) -> None:
+    """A router or a norm whose forward someone wrapped after loading: the
+    layer's own forward runs, and so does the wrapper, at every step."""
+    path = write_tiny_moe(str(tmp_path_factory.mktemp("decode-layers-wrapped")), "qwen3_moe", hidden_size=64,
+                          seed=10)
+    lean = hf.from_pretrained(path, torch_dtype=torch.bfloat16)
+    modules = hf.from_pretrained(path, torch_dtype=torch.bfloat16, decode_layers=False)
+    calls: list[str] = []
+
+    def wrap(module: Any, name: str) -> None:
+        native = module.forward
+
+        def wrapped(x: Any) -> Any:
+            calls.append(name)
+            return native(x)
+
+        module.forward = wrapped
+
+    try:
+        for model in (lean, modules):
+            wrap(model.model.layers[0].mlp.gate, "router")
+            wrap(model.model.layers[1].self_attn.q_norm, "q_norm")
+        with torch.no_grad():
+            got, want = _steps(lean, 2), _steps(modules, 2)
+    finally:
+        lean.colibri_close()
+        modules.colibri_close()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    layers = lean.config.num_hidden_layers
+    assert sum(taken) == 2 * (layers - 2)        # the two steps of the layers not wrapped
+    assert calls.count("router") == calls.count("q_norm") == 2 * 3      # both models, the prompt and 2 steps

@@ -14,9 +14,10 @@ cache's update and the experts module as they do: the same bits.
 A step takes this path when it is one token of batch 1 on the CPU without
 autograd, in the layer's dtype (float32 or bfloat16, every weight the path
 reads in it), with no attention mask and colibri's decode attention
-(``colibri_sdpa``), no keyword that changes the attention's math, no hook on
-the modules it skips, and no other thread in the same layer's step; the
-layer's class's forward computes everything else.
+(``colibri_sdpa``), no keyword that changes the attention's math, no hook
+nor forward of their own (a wrapper) on the modules it skips, and no other
+thread in the same layer's step; the layer's class's forward computes
+everything else.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from colibri.errors import error_for
 from colibri.hf import routers
 from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
 from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
+from colibri.hf.norms import native_forward as norm_forward
 from colibri.hf.rotary import is_native
 
 __all__ = ["FAMILIES", "use_decode_layers"]
@@ -210,7 +212,8 @@ class _Plan:
         norms = ((m.input_norm, self.hidden), (m.post_norm, self.hidden), (m.q_norm, self.d), (m.k_norm, self.d))
         for norm, n in norms[:4 if self.qk_norm else 2]:
             w = getattr(norm, "weight", None)
-            if w is None or not getattr(norm, "colibri_rms_form", None) or "forward" not in vars(norm) \
+            if w is None or not getattr(norm, "colibri_rms_form", None) \
+                    or getattr(vars(norm).get("forward"), "__func__", None) is not norm_forward \
                     or w.dtype != self.dtype or w.dim() != 1 or w.numel() != n or not w.is_contiguous() \
                     or not w.is_cpu:
                 return None
@@ -221,6 +224,8 @@ class _Plan:
 
     def _weights(self, m: _Modules) -> list[Any] | None:
         """The projections' and the router's PackedWeight, or None."""
+        if any("forward" in vars(x) for x in (m.attn, m.mlp, m.q_proj, m.k_proj, m.v_proj, m.o_proj)):
+            return None     # a forward of the module's own: the path would skip it
         weights = [_projection_weight(p, self.dtype) for p in (m.q_proj, m.k_proj, m.v_proj, m.o_proj)]
         if any(w is None for w in weights) or not _routes_natively(m.gate, self.dtype, self.hidden):
             return None
@@ -366,7 +371,8 @@ _LAYER_ONLY = ("attention_mask", "cache", "past_key_values", "position_embedding
 def _routes_natively(gate: Any, dtype: Any, hidden: int) -> bool:
     """Whether the router's own forward would route one row natively."""
     w = gate.weight
-    return "forward" in vars(gate) and w.dtype == dtype and w.is_cpu and w.dim() == 2 and w.shape[1] == hidden \
+    return "forward" in vars(gate) and getattr(gate, "colibri_router_form", None) in routers.FORMS \
+        and getattr(vars(gate)["forward"], "__func__", None) is routers.native_forward and w.dtype == dtype and w.is_cpu and w.dim() == 2 and w.shape[1] == hidden \
         and int(gate.hidden_dim) == hidden and w.is_contiguous() and 1 <= int(gate.top_k) <= w.shape[0]
 
 

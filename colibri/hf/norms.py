@@ -101,7 +101,7 @@ def _compute(x: Any, weight: Any, eps: float, form: str, codes: dict[Any, int]) 
     return out
 
 
-def _native_forward(self: Any, hidden_states: Any) -> Any:
+def native_forward(self: Any, hidden_states: Any) -> Any:
     """A norm's forward as :func:`use_decode_norms` sets it, bound to the
     module (so a deep copy of the model binds it to the copy):
     :func:`rms_norm` for a small forward without autograd, else the
@@ -135,6 +135,6 @@ def use_decode_norms(model: Any) -> int:
         if form is None or not hasattr(module, "variance_epsilon") or "forward" in vars(module):
             continue
         module.colibri_rms_form = form
-        module.forward = types.MethodType(_native_forward, module)
+        module.forward = types.MethodType(native_forward, module)
         count += 1
     return count

@@ -145,7 +145,7 @@ def kernel_weight(module: Any, w: Any) -> PackedWeight:
     return held[1]
 
 
-def _native_forward(self: Any, hidden_states: Any) -> Any:
+def native_forward(self: Any, hidden_states: Any) -> Any:
     """A router's forward as :func:`use_decode_routers` sets it, bound to
     the module: the logits by colibri's kernel and the routing by
     ``coli_router_topk`` for a few rows without autograd, else the class's
@@ -188,6 +188,6 @@ def use_decode_routers(model: Any) -> int:
                 or (FORMS[form].renorm != "always" and not hasattr(module, FORMS[form].renorm)):
             continue
         module.colibri_router_form = form
-        module.forward = types.MethodType(_native_forward, module)
+        module.forward = types.MethodType(native_forward, module)
         count += 1
     return count
