@@ -310,7 +310,8 @@ class _Plan:
         """``module``'s RMS norm of ``rows`` rows at x into out (pointers)."""
         w = module.weight
         rc = lib.coli_rms_norm(x, out, _ptr(w), rows, w.numel(), self.code, self.code, self.code,
-                               float(module.variance_epsilon), WEIGHT_ORDERS[module.colibri_rms_form], self.err, _ERR_LEN)
+                               float(module.variance_epsilon), WEIGHT_ORDERS[module.colibri_rms_form], self.err,
+                               _ERR_LEN)
         self._check(rc)
 
     def _linear(self, weight: Any, call: Any, pool: Any) -> None:
@@ -322,6 +323,9 @@ class _Plan:
         self._check(rc)
 
     def _attend(self, keys: Any, values: Any, scaling: float, pool: Any) -> bool:
+        """The native one-query attention over the cache's keys and values,
+        as the decode attention computes it; False (nothing computed) when
+        it would not read them."""
         n = int(keys.shape[2]) if keys.dim() == 4 else 0
         shape = (1, self.kv_heads, n, self.d)
         if not n or tuple(keys.shape) != shape or tuple(values.shape) != shape or keys.dtype != self.dtype \
@@ -339,7 +343,8 @@ class _Plan:
         """Attention over keys and values the native call does not read, by
         the attention function the module's forward would call (colibri's
         decode attention, whose own fallback then computes it)."""
-        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(attn.config, "sliding_window", None)
+        window = attn.sliding_window if hasattr(attn, "sliding_window") \
+            else getattr(attn.config, "sliding_window", None)
         function = self.attention_functions.get_interface(DECODE_SDPA, None)
         out, _ = function(attn, self.q_rotated, keys, values, None, dropout=0.0, scaling=attn.scaling,
                           sliding_window=window, **passed)
@@ -371,9 +376,10 @@ _LAYER_ONLY = ("attention_mask", "cache", "past_key_values", "position_embedding
 def _routes_natively(gate: Any, dtype: Any, hidden: int) -> bool:
     """Whether the router's own forward would route one row natively."""
     w = gate.weight
-    return "forward" in vars(gate) and getattr(gate, "colibri_router_form", None) in routers.FORMS \
-        and getattr(vars(gate)["forward"], "__func__", None) is routers.native_forward and w.dtype == dtype and w.is_cpu and w.dim() == 2 and w.shape[1] == hidden \
-        and int(gate.hidden_dim) == hidden and w.is_contiguous() and 1 <= int(gate.top_k) <= w.shape[0]
+    return getattr(vars(gate).get("forward"), "__func__", None) is routers.native_forward \
+        and getattr(gate, "colibri_router_form", None) in routers.FORMS and w.dtype == dtype and w.is_cpu \
+        and w.dim() == 2 and w.shape[1] == hidden and int(gate.hidden_dim) == hidden and w.is_contiguous() \
+        and 1 <= int(gate.top_k) <= w.shape[0]
 
 
 def _ptr(t: Any) -> Any:
