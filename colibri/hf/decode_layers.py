@@ -36,6 +36,7 @@ from colibri.hf import routers
 from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
 from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
 from colibri.hf.norms import native_forward as norm_forward
+from colibri.hf.norms import weight_fits as norm_weight_fits
 from colibri.hf.rotary import is_native
 
 __all__ = ["FAMILIES", "use_decode_layers"]
@@ -128,7 +129,7 @@ def _decode_forward(self: Any, hidden_states: Any, *args: Any, **kwargs: Any) ->
     except AttributeError:      # a module replaced by one without the family's parts
         return type(self).forward(self, hidden_states, *args, **kwargs)
     held = by_dtype.get(dtype)
-    if held is None or len(held[0]) != len(modules) or any(r() is not m for r, m in zip(held[0], modules)):
+    if held is None or any(r() is not m for r, m in zip(held[0], modules)):
         held = by_dtype[dtype] = (tuple(weakref.ref(m) if m is not None else _none for m in modules),
                                   _Plan.make(modules, dtype))
     plan = held[1]
@@ -154,7 +155,8 @@ class _Plan:
     @staticmethod
     def make(m: _Modules, dtype: Any) -> "_Plan | None":
         """The plan of a layer of modules ``m`` for ``dtype`` activations, or
-        None when its modules are not ones this path computes as they do."""
+        None when its sizes are not ones this path computes (whether its
+        weights are is asked at every step: they may change)."""
         codes = float_codes()
         if dtype not in codes:
             return None
@@ -168,8 +170,7 @@ class _Plan:
         if min(hidden, kv_heads, d, experts) < 1 or heads <= kv_heads or heads % kv_heads \
                 or max(hidden, heads * d) > DECODE_NORM_VALUES:
             return None     # not grouped-query attention, or norms their forward computes with torch
-        plan = _Plan(dtype, hidden, heads, kv_heads, d, m.q_norm is not None, experts)
-        return plan if plan._fitting_weights(m) is not None else None
+        return _Plan(dtype, hidden, heads, kv_heads, d, m.q_norm is not None, experts)
 
     def __init__(self, dtype: Any, hidden: int, heads: int, kv_heads: int, d: int, qk_norm: bool,
                  experts: int) -> None:
@@ -214,8 +215,7 @@ class _Plan:
             w = getattr(norm, "weight", None)
             if w is None or not getattr(norm, "colibri_rms_form", None) \
                     or getattr(vars(norm).get("forward"), "__func__", None) is not norm_forward \
-                    or w.dtype != self.dtype or w.dim() != 1 or w.numel() != n or not w.is_contiguous() \
-                    or not w.is_cpu:
+                    or w.dtype != self.dtype or w.numel() != n or not norm_weight_fits(w):
                 return None
         weights = self._weights(m)
         if weights is None or any(tuple(w.shape) != s for w, s in zip(weights, self.shapes)):
@@ -375,11 +375,9 @@ _LAYER_ONLY = ("attention_mask", "cache", "past_key_values", "position_embedding
 
 def _routes_natively(gate: Any, dtype: Any, hidden: int) -> bool:
     """Whether the router's own forward would route one row natively."""
-    w = gate.weight
     return getattr(vars(gate).get("forward"), "__func__", None) is routers.native_forward \
-        and getattr(gate, "colibri_router_form", None) in routers.FORMS and w.dtype == dtype and w.is_cpu \
-        and w.dim() == 2 and w.shape[1] == hidden and int(gate.hidden_dim) == hidden and w.is_contiguous() \
-        and 1 <= int(gate.top_k) <= w.shape[0]
+        and getattr(gate, "colibri_router_form", None) in routers.FORMS and int(gate.hidden_dim) == hidden \
+        and routers.weight_fits(gate, dtype)
 
 
 def _ptr(t: Any) -> Any:
@@ -396,8 +394,5 @@ def _projection_weight(module: Any, dtype: Any) -> Any:
     own = getattr(module, "kernel_weight", None)
     w = getattr(module, "weight", None)
     if own is None or w is None or w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
-        return None
-    b = getattr(module, "bias", None)
-    if b is not None and b.requires_grad and sys.modules["torch"].is_grad_enabled():
         return None
     return own()

@@ -101,6 +101,12 @@ def _compute(x: Any, weight: Any, eps: float, form: str, codes: dict[Any, int]) 
     return out
 
 
+def weight_fits(w: Any) -> bool:
+    """Whether a norm's weight ``w`` is one :func:`native_forward` computes
+    with: float32 or bfloat16, one contiguous CPU row."""
+    return w.dtype in float_codes() and w.is_cpu and w.dim() == 1 and w.is_contiguous()
+
+
 def native_forward(self: Any, hidden_states: Any) -> Any:
     """A norm's forward as :func:`use_decode_norms` sets it, bound to the
     module (so a deep copy of the model binds it to the copy):
@@ -109,10 +115,9 @@ def native_forward(self: Any, hidden_states: Any) -> Any:
     torch = sys.modules["torch"]
     w = self.weight
     codes = float_codes()
-    if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in codes \
-            and w.dtype in codes and hidden_states.is_cpu and w.is_cpu and w.dim() == 1 \
-            and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \
-            and hidden_states.is_contiguous() and w.is_contiguous() \
+    if 0 < hidden_states.numel() <= DECODE_NORM_VALUES and hidden_states.dtype in codes and weight_fits(w) \
+            and hidden_states.is_cpu and hidden_states.dim() >= 1 and hidden_states.shape[-1] == w.numel() \
+            and hidden_states.is_contiguous() \
             and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
         return _compute(hidden_states, w, self.variance_epsilon, self.colibri_rms_form, codes)
     return type(self).forward(self, hidden_states)

@@ -136,7 +136,7 @@ def use_decode_rotary(model: Any) -> int:
         if module is None or not rotary_form(module):
             continue
         current = module.apply_rotary_pos_emb
-        if not hasattr(current, _MARK):
+        if not is_native(current):
             setattr(module, "apply_rotary_pos_emb", _native(current))
         count += 1
     return count

@@ -145,6 +145,16 @@ def kernel_weight(module: Any, w: Any) -> PackedWeight:
     return held[1]
 
 
+def weight_fits(module: Any, dtype: Any) -> bool:
+    """Whether router ``module``'s weight is one :func:`native_forward`
+    routes rows of ``dtype`` with: of that dtype, float32 or bfloat16, a CPU
+    matrix of ``hidden_dim`` contiguous columns, ``top_k`` of its rows at
+    most."""
+    w = module.weight
+    return w.dtype == dtype and dtype in float_codes() and w.is_cpu and w.dim() == 2 \
+        and w.shape[1] == int(module.hidden_dim) and w.is_contiguous() and 1 <= int(module.top_k) <= w.shape[0]
+
+
 def native_forward(self: Any, hidden_states: Any) -> Any:
     """A router's forward as :func:`use_decode_routers` sets it, bound to
     the module: the logits by colibri's kernel and the routing by
@@ -155,10 +165,8 @@ def native_forward(self: Any, hidden_states: Any) -> Any:
     codes = float_codes()
     n_in = int(self.hidden_dim)
     rows = hidden_states.numel() // n_in if n_in else 0
-    if 0 < rows <= DECODE_ROWS and hidden_states.dtype == w.dtype and w.dtype in codes \
-            and hidden_states.is_cpu and w.is_cpu and w.dim() == 2 and w.shape[1] == n_in \
-            and hidden_states.shape[-1] == n_in and w.is_contiguous() \
-            and 1 <= int(self.top_k) <= w.shape[0] \
+    if 0 < rows <= DECODE_ROWS and weight_fits(self, hidden_states.dtype) and hidden_states.is_cpu \
+            and hidden_states.shape[-1] == n_in \
             and not (torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad)):
         form = FORMS[self.colibri_router_form]
         logits = linear(kernel_weight(self, w), hidden_states.reshape(rows, n_in).contiguous())
