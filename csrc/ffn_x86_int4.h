@@ -101,7 +101,8 @@ VNNI INLINE void qs_interleave(const QsInfo *q, const __m512 v[I16_ROWS], float 
 /* Groups of 128 or 32 inputs (one unit a group): the rows' params 16
  * groups at a time up to end (a multiple of 16), whole vectors (zero past
  * the groups). F: the scale format, a constant where called. */
-VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f, int64_t end) {
+VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, ColiScaleFormat f, int64_t end,
+                               int with_z) {
     const ColiFfnMat *m = q->m;
     int32_t *z = (int32_t *)(ps + q->st);
     for (int64_t g = 0; g < end; g += 16) {
@@ -121,7 +122,7 @@ VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, C
         }
         /* 16 chunks (or four chunks' quarters): 64 values at 4g */
         qs_interleave(q, sc, ps + 4 * g);
-        qs_interleave(q, zv, (float *)z + 4 * g);
+        if (with_z) qs_interleave(q, zv, (float *)z + 4 * g);
     }
 }
 
@@ -131,15 +132,18 @@ VNNI INLINE void qs_group_rows(const QsInfo *q, int64_t o0, int nr, float *ps, C
  * points z as int32 in the same order (zero past the units). Unless
  * whole, the values past the units' last block of 16 may be left as they
  * are (one token's stream reads no further; a small model's padding to
- * 16 chunks was half of the work). */
+ * 16 chunks was half of the work), and without zero points z is not
+ * written (one token's stream uses the stored 8 as a constant: the same
+ * integers, without a transpose of 8s per block of rows). */
 VNNI static void qs_params(const QsInfo *q, int64_t o0, int nr, float *ps, int whole) {
     const ColiFfnMat *m = q->m;
     if (m->group == 128 || m->group == 32) {
         int64_t end = whole ? q->st / I16_ROWS : coli_ffn_round_up(q->aw * q->chunks, 16);
+        int with_z = whole || m->zeros;
         switch (m->scale_format) {
-        case COLI_SCALE_F32: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F32, end); return;
-        case COLI_SCALE_F16: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F16, end); return;
-        default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16, end); return;
+        case COLI_SCALE_F32: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F32, end, with_z); return;
+        case COLI_SCALE_F16: qs_group_rows(q, o0, nr, ps, COLI_SCALE_F16, end, with_z); return;
+        default: qs_group_rows(q, o0, nr, ps, COLI_SCALE_BF16, end, with_z); return;
         }
     }
     int32_t *z = (int32_t *)(ps + q->st);
@@ -227,30 +231,34 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
         if (QUARTERS_) {                                                                     \
             __m512i a_ = _mm512_permutexvar_epi32(fours, _mm512_castsi128_si512(             \
                                                              _mm_loadu_si128((const __m128i *)(A + 4 * (CI))))); \
-            __m512i d_ = _mm512_sub_epi32(u_, _mm512_mullo_epi32(_mm512_loadu_si512(z + 16 * (CI)), a_)); \
+            __m512i d_ = _mm512_sub_epi32(u_, Z_ ? _mm512_mullo_epi32(_mm512_loadu_si512(z + 16 * (CI)), a_) \
+                                                 : _mm512_slli_epi32(a_, 3));                 \
             cq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_),                                     \
                                  _mm512_mul_ps(_mm512_loadu_ps(ps + 16 * (CI)), x_), cq);    \
         } else {                                                                             \
             __m256i h_ = _mm256_add_epi32(_mm512_castsi512_si256(u_), _mm512_extracti64x4_epi64(u_, 1)); \
             __m128i s_ = _mm_add_epi32(_mm256_castsi256_si128(h_), _mm256_extracti128_si256(h_, 1)); \
-            s_ = _mm_sub_epi32(s_, _mm_mullo_epi32(_mm_loadu_si128((const __m128i *)(z + 4 * (CI))), \
-                                                   _mm_set1_epi32(A[CI])));                  \
+            s_ = _mm_sub_epi32(s_, Z_ ? _mm_mullo_epi32(_mm_loadu_si128((const __m128i *)(z + 4 * (CI))), \
+                                                        _mm_set1_epi32(A[CI]))               \
+                                      : _mm_set1_epi32(8 * A[CI]));                          \
             cn = _mm_fmadd_ps(_mm_cvtepi32_ps(s_),                                           \
                               _mm_mul_ps(_mm_loadu_ps(ps + 4 * (CI)), _mm512_castps512_ps128(x_)), cn); \
         }                                                                                    \
     } while (0)
 
 /* One token: rows o0 .. o0 + nr - 1 over every chunk (xq, sx, A: the
- * token's). */
-#define QI_STREAM(QUARTERS)                                                                  \
-    VNNI static void qi_stream_##QUARTERS(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, \
-                                          const float *sx, const int32_t *A, const float *ps, float *dst) { \
-        enum { QUARTERS_ = QUARTERS, ldq = 0 };                                              \
+ * token's). ZEROS: the rows' zero points z are read (else every one is
+ * the stored 8, and qs_params left z unwritten). */
+#define QI_STREAM(QUARTERS, ZEROS)                                                           \
+    VNNI static void qi_stream_##QUARTERS##ZEROS(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, \
+                                                 const float *sx, const int32_t *A, const float *ps, \
+                                                 float *dst) {                               \
+        enum { QUARTERS_ = QUARTERS, Z_ = ZEROS, ldq = 0 };                                  \
         const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(I16_FOURS);     \
         const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);                           \
         const int32_t *z = (const int32_t *)(ps + q->st);                                    \
         const uint8_t *rows[I16_ROWS];                                                        \
-        (void)fours;                                                                         \
+        (void)fours, (void)z;                                                                \
         UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
             rows[r] = q->m->data + (o0 + (r < nr ? r : 0)) * q->row_bytes;                   \
         __m512 cq = _mm512_setzero_ps();                                                     \
@@ -262,8 +270,10 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
         else _mm_storeu_ps(v, cn);                                                           \
         for (int r = 0; r < nr; r++) dst[o0 + r] = qi_result(q, v, r);                       \
     }
-QI_STREAM(0)
-QI_STREAM(1)
+QI_STREAM(0, 0)
+QI_STREAM(0, 1)
+QI_STREAM(1, 0)
+QI_STREAM(1, 1)
 #undef QI_STREAM
 #undef QI_CHUNK1
 
@@ -521,11 +531,14 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
         qs_tiles(&q, n0, n1, task, &in, ps, acc);
         return;
     }
+    /* zero points read where stored, or where qs_params's generic path wrote them */
+    int zeros = m->zeros || (m->group != 128 && m->group != 32);
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
         qs_params(&q, o0, nr, ps, 0);
-        (q.quarters ? qi_stream_1 : qi_stream_0)(&q, o0, nr, xq, sx, A, ps, task->dst);
+        if (q.quarters) (zeros ? qi_stream_11 : qi_stream_10)(&q, o0, nr, xq, sx, A, ps, task->dst);
+        else (zeros ? qi_stream_01 : qi_stream_00)(&q, o0, nr, xq, sx, A, ps, task->dst);
     }
 }
 
