@@ -11,7 +11,10 @@ routers (``decode_routers``), ``norms`` the native RMS norms
 heads), ``kv_cache`` the key/value cache that appends in place
 (``grow_kv_cache``: two caches of the same prompt, one plain, used at
 alternate steps), ``layers`` the lean decode forward of the decoder
-layers (``decode_layers``; fed random tokens, as below). Two switches are
+layers (``decode_layers``; fed random tokens, as below), ``one_token`` a
+lean layer's experts computed with calls built once per layer
+(``Runtime.one_token_experts``; off, by the experts module; random tokens).
+Two switches are
 about streaming, with random tokens: ``hits_first`` (a cache of a quarter
 of the experts, PILOT, O_DIRECT) toggles computing a layer's resident
 experts while the workers read the others, and ``pilot`` (in RAM) PILOT
@@ -24,6 +27,7 @@ The model is any checkpoint colibri.hf loads, e.g. the 4-bit one
     python benchmarks/decode_switch.py --model DIR --switch attention --threads 2 --prompt-len 2048
     python benchmarks/decode_switch.py --model DIR --switch kv_cache --prompt-len 2048
     python benchmarks/decode_switch.py --model DIR --switch layers --threads 2 --steps 300
+    python benchmarks/decode_switch.py --model DIR --switch one_token --threads 2 --steps 300
     python benchmarks/decode_switch.py --model DIR --switch hits_first --threads 2 --steps 300
 """
 
@@ -36,7 +40,8 @@ import time
 from typing import Any
 
 SWITCHES = {"routers": "colibri_router_form", "norms": "colibri_rms_form", "rotary": "__colibri_replaces__",
-            "attention": "_native_fits", "kv_cache": "", "hits_first": "", "pilot": "", "layers": "colibri_qk_norm"}
+            "attention": "_native_fits", "kv_cache": "", "hits_first": "", "pilot": "", "layers": "colibri_qk_norm",
+            "one_token": ""}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     marker = SWITCHES[args.switch]
     if args.switch == "kv_cache":
         return _kv_cache(args, model, config)
+    if args.switch == "one_token":
+        return _one_token(args, model, config)
     if args.switch == "attention":   # the test that sends a decode step to the native attention
         switched = [(sys.modules["colibri.hf.attention"], getattr(sys.modules["colibri.hf.attention"], marker))]
     elif args.switch == "rotary":      # a function of each modeling module, not a module's forward
@@ -91,6 +98,25 @@ def main(argv: list[str] | None = None) -> int:
     times = _alternate(args, model, config, switch, random_tokens=args.switch == "layers")
     model.colibri_close()
     _report(args, f"{len(switched)} modules", times)
+    return 0
+
+
+def _one_token(args: argparse.Namespace, model: Any, config: Any) -> int:
+    """``one_token``: a lean layer's experts by the runtime's one-token path
+    (calls built once per layer) or, off, by the experts module."""
+    import colibri.hf
+
+    runtime = colibri.hf.runtime_of(model)
+
+    def switch(on: bool) -> None:
+        if on:
+            vars(runtime).pop("one_token_experts", None)
+        else:
+            runtime.one_token_experts = lambda *args: None     # type: ignore[method-assign]
+
+    times = _alternate(args, model, config, switch, random_tokens=True)
+    model.colibri_close()
+    _report(args, f"{len(runtime.moe_layers)} layers", times)
     return 0
 
 

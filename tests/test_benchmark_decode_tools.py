@@ -68,3 +68,9 @@ def test_decode_switch_toggles_the_lean_layers(tiny: str) -> None:
     out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", "layers", "--steps", "6",
                "--prompt-len", "16")
     assert "layers (4 modules), 1 thread(s), 6 steps" in out and "on / off" in out, out
+
+
+def test_decode_switch_toggles_the_one_token_experts(tiny: str) -> None:
+    out = _run(str(BENCHMARKS / "decode_switch.py"), "--model", tiny, "--switch", "one_token", "--steps", "6",
+               "--prompt-len", "16")
+    assert "one_token (4 layers), 1 thread(s), 6 steps" in out and "on / off" in out, out

@@ -258,14 +258,21 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(ckpt: Callable[[str], st
 def _mkldnn_seen(model: Any) -> list[bool]:
     """torch.backends.mkldnn.enabled as each MoE layer's forward saw it (a list that fills)."""
     runtime = hf.runtime_of(model)
-    forward = runtime.experts_forward
+    forward, one_token = runtime.experts_forward, runtime.one_token_experts
     seen: list[bool] = []
 
     def spy(*args: Any) -> Any:
         seen.append(bool(torch.backends.mkldnn.enabled))
         return forward(*args)
 
+    def spy_one_token(*args: Any) -> Any:
+        out = one_token(*args)
+        if out is not None:       # else the module's forward, experts_forward, sees it
+            seen.append(bool(torch.backends.mkldnn.enabled))
+        return out
+
     runtime.experts_forward = spy  # type: ignore[method-assign]
+    runtime.one_token_experts = spy_one_token  # type: ignore[method-assign]
     return seen
 
 
@@ -294,6 +301,7 @@ def test_a_one_token_forward_takes_blas(ckpt: Callable[[str], str], dtype: str, 
             assert seen[2 * layers:] == [True] * layers
         assert torch.backends.mkldnn.enabled
         hf.runtime_of(model).experts_forward = None  # type: ignore[assignment]
+        hf.runtime_of(model).one_token_experts = None  # type: ignore[assignment]
         with pytest.raises(TypeError), torch.no_grad():
             model(torch.tensor([[8]]))
         assert torch.backends.mkldnn.enabled

@@ -33,6 +33,7 @@ from colibri._ffi import ffi, lib
 from colibri.compute_threads import compute_pool, default_threads
 from colibri.errors import error_for
 from colibri.hf import routers
+from colibri.hf.accept import IMPLEMENTATION
 from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
 from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
 from colibri.hf.norms import native_forward as norm_forward
@@ -303,8 +304,23 @@ class _Plan:
         self._norm(m.post_norm, _ptr(h), ptr["post"], 1)
         self._linear(weights[4], self.calls[4], pool)
         scores, index = self._route(m.gate, torch)
-        routed = m.mlp.experts(self.post, index, scores)
+        routed = self._experts(m.mlp.experts, index, scores)
         return h + routed.view(1, 1, self.hidden)
+
+    def _experts(self, experts: Any, index: Any, scores: Any) -> Any:
+        """The experts module's output for the post-attention norm's
+        output: by the runtime's one-token path when the module's forward
+        would call the runtime and nothing else would run (a hook, a
+        forward of its own), else by the module."""
+        binding = getattr(experts, "colibri_binding", None)
+        if binding is not None and not (experts._forward_hooks or experts._forward_pre_hooks) \
+                and "forward" not in vars(experts) \
+                and getattr(getattr(experts, "config", None), "_experts_implementation", None) == IMPLEMENTATION:
+            runtime, layer = binding
+            out = runtime.one_token_experts(experts, layer, self.post, index, scores)
+            if out is not None:
+                return out
+        return experts(self.post, index, scores)
 
     def _norm(self, module: Any, x: Any, out: Any, rows: int) -> None:
         """``module``'s RMS norm of ``rows`` rows at x into out (pointers)."""

@@ -32,6 +32,7 @@ from colibri.store import Store
 from colibri.hf.linears import DECODE_ROWS
 from colibri.kernels import moe_combine, moe_ffn, torch_threads
 from colibri.moe import LayerStream
+from colibri.one_token_moe import OneTokenMoe
 from colibri.torch_interop import as_torch, dequantize_torch
 
 __all__ = ["KERNELS", "DecodeThreads", "LayerProgress", "OneTokenBlas", "Runtime", "RouterPilot", "colibri_experts_forward",
@@ -134,6 +135,8 @@ class Runtime:
         self._predicted: dict[int, tuple[int, ...]] = {}
         # Each layer's kernel activation (None: the torch path), asked once.
         self._activations: dict[int, tuple[str, float, float] | None] = {}
+        # Each layer's native calls for one token (one_token_experts).
+        self._one_token: dict[int, OneTokenMoe] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -181,6 +184,41 @@ class Runtime:
         if self.progress is not None:
             self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
                                         int(index.shape[0]), len(union), len(stream)))
+        return out
+
+    def one_token_experts(self, module: Any, layer: int, x: Any, index: Any, weights: Any) -> Any:
+        """:meth:`experts_forward` of one token whose ``index`` ``(1, k)``
+        names k distinct experts, with the native calls of the layer built
+        once (:class:`~colibri.one_token_moe.OneTokenMoe`): the same store
+        calls in the same order, the same bits. ``x`` is ``(1, hidden)``
+        float32 or bfloat16, ``index`` int64 and ``weights`` float32 or
+        bfloat16, contiguous CPU tensors. Returns the ``(1, hidden)`` output
+        in ``x``'s dtype, or None when the call is not one of those (the
+        caller then calls the module): a routing hook, the torch path,
+        repeated experts, or a closed store (whose module call raises)."""
+        if self.routing is not None or self.store.closed:
+            return None
+        kernel = self._kernel_of(layer, module)
+        union = index[0].tolist()
+        if kernel is None or len(set(union)) != len(union) or min(union) < 0:
+            return None
+        step = self._one_token.get(layer)
+        if step is None or step.k != len(union) or (step.activation, step.alpha, step.limit) != kernel:
+            step = self._one_token[layer] = OneTokenMoe(len(union), int(x.shape[-1]), *kernel)
+        if not step.fits(x, index):
+            return None
+        pilot = self.pilot
+        if pilot is not None:
+            pilot.observe(layer, sorted(union))
+        stream = LayerStream(self.store, layer, self._order(layer, union))
+        for g, leased in enumerate(stream):
+            if g == 0:
+                self._predict(layer, x)
+            step.ffn(leased, x, index)
+        out = step.combine(weights, _torch().empty((1, step.hidden), dtype=x.dtype))
+        if self.progress is not None:
+            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers), 1, len(union),
+                                        len(stream)))
         return out
 
     def _kernel_of(self, layer: int, module: Any) -> tuple[str, float, float] | None:
