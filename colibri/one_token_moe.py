@@ -45,13 +45,14 @@ class OneTokenMoe:
         self.call = ffi.new("ColiMoeCall *", {"tokens": 1, "k": k, "x_stride": hidden,
                                               "pairs": ffi.cast("float *", self.pairs.data_ptr())})
         self.err = ffi.new("char[]", _ERR_LEN)
-        self.handle: Any = None         # the store of the leases the first call checked
-        self.x_key: Any = None          # (dtype) of the x the first call checked
+        self.codes = {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
+        self.handle: Any = None         # the store of the leases the last checked call had
+        self.x_dtype: Any = None        # the dtype of its x
 
     def fits(self, x: Any, index: Any) -> bool:
         """Whether ``x`` and ``index`` are operands this object computes."""
         torch = sys.modules["torch"]
-        return x.dtype in (torch.float32, torch.bfloat16) and tuple(x.shape) == (1, self.hidden) \
+        return x.dtype in self.codes and tuple(x.shape) == (1, self.hidden) \
             and x.is_contiguous() and x.is_cpu and index.dtype == torch.int64 \
             and tuple(index.shape) == (1, self.k) and index.is_contiguous() and index.is_cpu
 
@@ -60,17 +61,17 @@ class OneTokenMoe:
         layer) for ``x`` routed by ``index`` (see :meth:`fits`)."""
         n = len(leases)
         handle = getattr(type(leases[0]), "_store_handle", None) if n else None
-        if handle is None or handle is not self.handle or x.dtype != self.x_key or n > self.k \
+        if handle is None or handle is not self.handle or x.dtype != self.x_dtype or n > self.k \
                 or not all(isinstance(lease, LeaseBase) and type(lease) is type(leases[0]) for lease in leases):
             # the first call, or another store or dtype: every check, then remember what passed
             moe_ffn(leases, x, index, self.pairs, activation=self.activation, alpha=self.alpha, limit=self.limit)
-            self.handle, self.x_key = handle, x.dtype
+            self.handle, self.x_dtype = handle, x.dtype
             return
         copy_views(leases, self.views_at)
         call = self.call
         call.index = ffi.cast("const int64_t *", index.data_ptr())
         call.x = ffi.cast("const void *", x.data_ptr())
-        call.x_format = lib.COLI_TENSOR_F32 if x.dtype == self.pairs.dtype else lib.COLI_TENSOR_BF16
+        call.x_format = self.codes[x.dtype]
         call.isa = call_isa()
         rc = lib.coli_store_moe_ffn(handle, self.views, n, call, self.code, self.alpha, self.limit,
                                     compute_pool(default_threads(True)), self.err, _ERR_LEN)
@@ -81,9 +82,7 @@ class OneTokenMoe:
         """``out`` ``(1, hidden)`` float32 or bfloat16 = the token's pairs
         weighted by ``weights`` ``(1, k)`` and added in routing order (as
         ``moe_combine``, which checks operands of other shapes)."""
-        torch = sys.modules["torch"]
-        codes = {torch.float32: lib.COLI_TENSOR_F32, torch.bfloat16: lib.COLI_TENSOR_BF16}
-        w_code, o_code = codes.get(weights.dtype), codes.get(out.dtype)
+        w_code, o_code = self.codes.get(weights.dtype), self.codes.get(out.dtype)
         if w_code is None or o_code is None or tuple(weights.shape) != (1, self.k) \
                 or tuple(out.shape) != (1, self.hidden) or not (weights.is_contiguous() and out.is_contiguous()) \
                 or not (weights.is_cpu and out.is_cpu):

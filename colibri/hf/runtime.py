@@ -22,13 +22,13 @@ import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from colibri.errors import ColibriError, UnknownExpertError
 from colibri.pilot import Pilot
-from colibri.store import Store
+from colibri.store import LeaseGroup, Store
 from colibri.hf.linears import DECODE_ROWS
 from colibri.kernels import moe_combine, moe_ffn, torch_threads
 from colibri.moe import LayerStream
@@ -171,19 +171,13 @@ class Runtime:
                          top_k_weights.detach().float().cpu().numpy())
         index = top_k_index.detach().to(device="cpu", dtype=_torch().int64).contiguous()
         union = shared_first(layer, index.numpy())
-        pilot = self.pilot
-        if pilot is not None:
-            pilot.observe(layer, sorted(union))
-        # A union larger than the cache streams through it (LayerStream).
-        stream = LayerStream(store, layer, self._order(layer, union))
+        stream = self._stream(layer, union)
         kernel = self._kernel_of(layer, module)
         if kernel is None:
             out = self._forward_torch(module, layer, hidden_states, top_k_weights, _Pairs(index), stream)
         else:
             out = self._forward_native(kernel, layer, hidden_states, top_k_weights, index, stream)
-        if self.progress is not None:
-            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers),
-                                        int(index.shape[0]), len(union), len(stream)))
+        self._report(layer, int(index.shape[0]), union, stream)
         return out
 
     def one_token_experts(self, module: Any, layer: int, x: Any, index: Any, weights: Any) -> Any:
@@ -207,19 +201,33 @@ class Runtime:
             step = self._one_token[layer] = OneTokenMoe(len(union), int(x.shape[-1]), *kernel)
         if not step.fits(x, index):
             return None
-        pilot = self.pilot
-        if pilot is not None:
-            pilot.observe(layer, sorted(union))
-        stream = LayerStream(self.store, layer, self._order(layer, union))
-        for g, leased in enumerate(stream):
-            if g == 0:
-                self._predict(layer, x)
+        stream = self._stream(layer, union)
+        for leased in self._groups(stream, layer, x):
             step.ffn(leased, x, index)
         out = step.combine(weights, _torch().empty((1, step.hidden), dtype=x.dtype))
-        if self.progress is not None:
-            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers), 1, len(union),
-                                        len(stream)))
+        self._report(layer, 1, union, stream)
         return out
+
+    def _stream(self, layer: int, union: list[int]) -> LayerStream:
+        """The layer's union of experts through its cache (a union larger
+        than the cache streams through it), after PILOT's guess for the layer
+        is scored against it; the guessed experts are leased first."""
+        if self.pilot is not None:
+            self.pilot.observe(layer, sorted(union))
+        return LayerStream(self.store, layer, self._order(layer, union))
+
+    def _groups(self, stream: LayerStream, layer: int, hidden_states: Any) -> Iterator[LeaseGroup]:
+        """The stream's lease groups; once the first is leased, PILOT
+        predicts the next layer's experts from ``hidden_states``."""
+        for g, leased in enumerate(stream):
+            if g == 0:
+                self._predict(layer, hidden_states)
+            yield leased
+
+    def _report(self, layer: int, tokens: int, union: list[int], stream: LayerStream) -> None:
+        if self.progress is not None:
+            self.progress(LayerProgress(layer, self._position[layer], len(self.moe_layers), tokens, len(union),
+                                        len(stream)))
 
     def _kernel_of(self, layer: int, module: Any) -> tuple[str, float, float] | None:
         """How the native kernel computes ``module``'s experts: (activation,
@@ -251,9 +259,7 @@ class Runtime:
                           device=hidden_states.device)
         ffn = _expert_ffn(module)
         compute_dtype = hidden_states.dtype
-        for g, leased in enumerate(stream):
-            if g == 0:
-                self._predict(layer, hidden_states)
+        for leased in self._groups(stream, layer, hidden_states):
             for ex in leased:
                 ts, js = pairs.rows[ex.key[1]]
                 weights = _weights(ex, compute_dtype)
@@ -285,9 +291,7 @@ class Runtime:
             x = x.contiguous()
         tokens, k = (int(n) for n in index.shape)
         pairs = torch.empty(tokens * k, x.shape[-1], dtype=torch.float32)
-        for g, leased in enumerate(stream):
-            if g == 0:
-                self._predict(layer, hidden_states)
+        for leased in self._groups(stream, layer, hidden_states):
             moe_ffn(leased, x, index, pairs, activation=activation, alpha=alpha, limit=limit)
         w = top_k_weights.detach()
         if w.dtype not in (torch.float32, torch.bfloat16):
