@@ -17,7 +17,7 @@ import copy
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -71,6 +71,8 @@ def _close(got: Any, want: Any) -> None:
 @given(cls=st.sampled_from(["llama", "gpt_oss"]), x_dtype=st.sampled_from(DTYPES),
        w_dtype=st.sampled_from(DTYPES), rows=st.integers(1, 9), n=st.integers(1, 300),
        scale=st.sampled_from([1e-3, 1.0, 40.0]), seed=st.integers(0, 2 ** 16))
+# three normalised values 1 float32 step from a bfloat16 tie, rounded the other way
+@example(cls="llama", x_dtype=torch.bfloat16, w_dtype=torch.float32, rows=4, n=284, scale=1.0, seed=49705)
 def test_the_native_norm_is_the_formula(cls: str, x_dtype: Any, w_dtype: Any, rows: int, n: int,
                                         scale: float, seed: int) -> None:
     module = _classes()[cls](n).to(w_dtype)
@@ -78,7 +80,22 @@ def test_the_native_norm_is_the_formula(cls: str, x_dtype: Any, w_dtype: Any, ro
     with torch.no_grad():
         module.weight.copy_(torch.randn(n, generator=g))
         x = (torch.randn(rows, n, generator=g) * scale).to(x_dtype)
-        _close(rms_norm(x, module.weight, module.variance_epsilon, norm_form(type(module)) or ""), module(x))
+        got, want = rms_norm(x, module.weight, module.variance_epsilon, norm_form(type(module)) or ""), module(x)
+    tie = _at_a_bfloat16_tie(x, module.variance_epsilon) if norm_form(type(module)) == "after_cast" \
+        and x_dtype == torch.bfloat16 and want.dtype == torch.float32 else torch.zeros_like(want, dtype=torch.bool)
+    _close(got[~tie], want[~tie])
+    if tie.any():   # there the two sums' orders may round the normalised value to either neighbour: one step
+        assert_relative_within(got[tie], want[tie], 2 * ROUNDING[torch.bfloat16])
+
+
+def _at_a_bfloat16_tie(x: Any, eps: float) -> Any:
+    """Where "after_cast" rounds a bfloat16 row's normalised value (a float32)
+    to bfloat16 before the weight's product, the values within a few float32
+    roundings of halfway between two bfloat16 numbers: an order of the
+    sum of squares other than torch's may round them the other way."""
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    near = 4 * ROUNDING[torch.float32]
+    return (exact * (1 - near)).float().to(torch.bfloat16) != (exact * (1 + near)).float().to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("cls", ["llama", "gpt_oss"])
