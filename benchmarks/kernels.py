@@ -34,8 +34,8 @@ rounds is printed. The kernels take bfloat16 activations (as torch does);
     python benchmarks/kernels.py --quick     # Qwen shape, 64 MiB rotation, 2 rounds
 
 Formats: bf16, fp8_block, int4 (symmetric), int4_asym (zero points),
-mxfp4, gptq (groups of 128, no act order), gptq_act (act order: a shuffled
-g_idx), awq.
+mxfp4, gptq (no act order), gptq_act (act order: a shuffled g_idx), awq;
+the grouped ones in groups of 128 weights, or --group's.
 
 The machine this runs on may be shared: the figures are times of whole
 calls (Python entry included) and noisy; read the spread. Both clocks are
@@ -92,9 +92,9 @@ class Rotation:
         return lease
 
 
-def _checkpoint(root: Path, shape: str, fmt: str, rotate_mib: int) -> tuple[Path, int]:
+def _checkpoint(root: Path, shape: str, fmt: str, rotate_mib: int, group: int) -> tuple[Path, int]:
     hidden, inter = SHAPES[shape]
-    path = root / f"{shape}-{fmt}-{rotate_mib}"
+    path = root / f"{shape}-{fmt}-{rotate_mib}" if group == 128 else root / f"{shape}-{fmt}-{rotate_mib}-g{group}"
     per_weight = {"bf16": 2.0, "fp8_block": 1.0}.get(fmt, 0.5)
     experts = max(1, math.ceil(rotate_mib * MIB / (3 * hidden * inter * per_weight)))
     if not (path / "config.json").exists():
@@ -102,7 +102,7 @@ def _checkpoint(root: Path, shape: str, fmt: str, rotate_mib: int) -> tuple[Path
         written, extra = _WRITE.get(fmt, (fmt, {}))
         options: dict[str, Any] = {"g_idx": "sorted", "symmetric": True, **extra}
         write_format_checkpoint(path, written, hidden=hidden, intermediate=inter, experts=experts,
-                                group=128, seed=1, **options)
+                                group=group, seed=1, **options)
     return path, experts
 
 
@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--rotate", type=int, default=None, help="MiB of experts each rotation touches")
     ap.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    ap.add_argument("--group", type=int, default=128,
+                    help="weights per scale of the grouped formats (int4, int4_asym, gptq, gptq_act, awq)")
     ap.add_argument("--numpy-mixtral", action="store_true")
     ap.add_argument("--clock", choices=CLOCKS, default="wall",
                     help="the clock the goals are judged on (both are measured and printed): wall "
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     stores = []
     for shape in shapes:
         for fmt in formats:
-            path, experts = _checkpoint(root, shape, fmt, rotate)
+            path, experts = _checkpoint(root, shape, fmt, rotate, args.group)
             store, rotation = _open(path, experts)
             stores.append(store)
             rotations[(shape, fmt)] = rotation

@@ -183,6 +183,31 @@ VNNI static void qi_prepare(const QsInfo *q, const uint16_t *x, int64_t ldx, int
     }
 }
 
+/* One token's stream of int4 in groups of 32 without zero points reads
+ * its scales where stored, a chunk at a time, instead of qs_params's
+ * table: that table's conversion, transposes, stores and loads (four
+ * scales a chunk) cost a third of the stream's time. sr[r]: row r's first
+ * scale. */
+static const int32_t QI_TRANSPOSE4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+/* Quarters: the scales of groups g .. g + 3 (k: those that exist) of the
+ * four rows, quarter j of row r at 4j + r (zero where k is off). */
+VNNI INLINE __m512 qi_scales16(ColiScaleFormat f, const uint8_t *const sr[I16_ROWS], int64_t g, __mmask8 k) {
+    __m512 v;
+    if (f == COLI_SCALE_F32) {
+        v = _mm512_castps128_ps512(_mm_maskz_loadu_ps(k, sr[0] + 4 * g));
+        UNROLL for (int r = 1; r < I16_ROWS; r++)
+            v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(k, sr[r] + 4 * g), r);
+    } else {
+        __m128i a = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(k, sr[0] + 2 * g), _mm_maskz_loadu_epi16(k, sr[1] + 2 * g));
+        __m128i b = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(k, sr[2] + 2 * g), _mm_maskz_loadu_epi16(k, sr[3] + 2 * g));
+        __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+        v = f == COLI_SCALE_F16 ? _mm512_cvtph_ps(h)
+                                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(QI_TRANSPOSE4), v);
+}
+
 /* Chunk CI of row r decoded into n[4]. WHOLE: it holds 128 inputs. */
 #define QI_DECODE(n, r, CI, WHOLE)                                                           \
     do {                                                                                     \
@@ -233,8 +258,9 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
                                                              _mm_loadu_si128((const __m128i *)(A + 4 * (CI))))); \
             __m512i d_ = _mm512_sub_epi32(u_, Z_ ? _mm512_mullo_epi32(_mm512_loadu_si512(z + 16 * (CI)), a_) \
                                                  : _mm512_slli_epi32(a_, 3));                 \
-            cq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_),                                     \
-                                 _mm512_mul_ps(_mm512_loadu_ps(ps + 16 * (CI)), x_), cq);    \
+            __m512 s_ = Z_ ? _mm512_loadu_ps(ps + 16 * (CI))                                 \
+                           : qi_scales16(f, sr, 4 * (CI), WHOLE ? (__mmask8)0xf : tail4);    \
+            cq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_), _mm512_mul_ps(s_, x_), cq);         \
         } else {                                                                             \
             __m256i h_ = _mm256_add_epi32(_mm512_castsi512_si256(u_), _mm512_extracti64x4_epi64(u_, 1)); \
             __m128i s_ = _mm_add_epi32(_mm256_castsi256_si128(h_), _mm256_extracti128_si256(h_, 1)); \
@@ -247,8 +273,10 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
     } while (0)
 
 /* One token: rows o0 .. o0 + nr - 1 over every chunk (xq, sx, A: the
- * token's). ZEROS: the rows' zero points z are read (else every one is
- * the stored 8, and qs_params left z unwritten). */
+ * token's). ZEROS: the rows' zero points z are read from qs_params's
+ * table ps (else every one is the stored 8, a shift of A, and qs_params
+ * left z unwritten). Scales S: from ps too, but with QUARTERS and without
+ * ZEROS (groups of 32) where stored (qi_scales16). */
 #define QI_STREAM(QUARTERS, ZEROS)                                                           \
     VNNI static void qi_stream_##QUARTERS##ZEROS(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, \
                                                  const float *sx, const int32_t *A, const float *ps, \
@@ -257,10 +285,16 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
         const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(I16_FOURS);     \
         const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);                           \
         const int32_t *z = (const int32_t *)(ps + q->st);                                    \
-        const uint8_t *rows[I16_ROWS];                                                        \
-        (void)fours, (void)z;                                                                \
-        UNROLL for (int r = 0; r < I16_ROWS; r++)                                             \
-            rows[r] = q->m->data + (o0 + (r < nr ? r : 0)) * q->row_bytes;                   \
+        const ColiScaleFormat f = q->m->scale_format;                                        \
+        const int64_t ss = f == COLI_SCALE_F32 ? 4 : 2, left = q->m->groups - 4 * q->whole;  \
+        const __mmask8 tail4 = (__mmask8)(left >= 4 ? 0xf : left > 0 ? (1u << left) - 1 : 0); \
+        const uint8_t *rows[I16_ROWS], *sr[I16_ROWS];                                         \
+        (void)fours, (void)z, (void)tail4;                                                   \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) {                                           \
+            int64_t o_ = o0 + (r < nr ? r : 0);                                              \
+            rows[r] = q->m->data + o_ * q->row_bytes;                                        \
+            sr[r] = (const uint8_t *)q->m->scales + ss * o_ * q->m->groups;                  \
+        }                                                                                    \
         __m512 cq = _mm512_setzero_ps();                                                     \
         __m128 cn = _mm_setzero_ps();                                                        \
         for (int64_t ci = 0; ci < q->whole; ci++) QI_CHUNK1(ci, 1);                          \
@@ -531,12 +565,13 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
         qs_tiles(&q, n0, n1, task, &in, ps, acc);
         return;
     }
-    /* zero points read where stored, or where qs_params's generic path wrote them */
+    /* zero points read where stored, or where qs_params's generic path
+     * wrote them; groups of 32 without them read their scales themselves */
     int zeros = m->zeros || (m->group != 128 && m->group != 32);
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
-        qs_params(&q, o0, nr, ps, 0);
+        if (zeros || !q.quarters) qs_params(&q, o0, nr, ps, 0);
         if (q.quarters) (zeros ? qi_stream_11 : qi_stream_10)(&q, o0, nr, xq, sx, A, ps, task->dst);
         else (zeros ? qi_stream_01 : qi_stream_00)(&q, o0, nr, xq, sx, A, ps, task->dst);
     }

@@ -52,8 +52,9 @@ def int4_weight(rng: np.random.Generator, n_out: int, n_in: int, group: int, *, 
     scale = (rng.uniform(0.5, 1.5, (n_out, n_in // group)) * 0.05).astype(scale_dtype)
     zero = _words(rng, (-(-n_out // 8), n_in // group)) if zeros else None
     b = rng.standard_normal(n_out).astype(np.float32) if bias else None
+    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16"}
     return PackedWeight(INT4, (n_out, n_in), _words(rng, (n_out, n_in // 8)), "I32", scale,
-                        "F32" if scale_dtype == np.float32 else "BF16", (1, group), zero, b)
+                        names[np.dtype(scale_dtype)], (1, group), zero, b)
 
 
 def fp8_weight(rng: np.random.Generator, n_out: int, n_in: int, block: int) -> PackedWeight:
@@ -93,6 +94,22 @@ def test_int4_matches_the_reference_on_every_path(n_out: int, groups: int, group
         # each within its bound of the exact result; bfloat16 outputs on either
         # side of a rounding midpoint differ by one unit in the last place
         assert relative_error(got, scalar.astype(np.float64)) <= (F32_BOUND if not bf16 else 2 * BF16_BOUND)
+
+
+@pytest.mark.parametrize("scale", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("group, n_in", [(32, 96), (32, 416), (128, 128), (128, 384)])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int4_one_token_reads_each_rows_scales_in_every_format(scale: Any, group: int, n_in: int,
+                                                               zeros: bool) -> None:
+    """A decode step's call (one bfloat16 token) reads each row's own
+    scales, whatever their format, in a last chunk of fewer groups too (96
+    and 416 inputs), for a last block of fewer than four rows (37)."""
+    rng = np.random.default_rng(n_in + group)
+    w = int4_weight(rng, 37, n_in, group, zeros=zeros, scale_dtype=scale, bias=False)
+    x = rng.standard_normal((1, n_in)).astype(BF16)
+    scalar = check(w, x, "scalar")
+    for isa in SIMD:
+        assert relative_error(check(w, x, isa), scalar.astype(np.float64)) <= 2 * BF16_BOUND
 
 
 @settings(max_examples=20, deadline=None)
