@@ -30,8 +30,8 @@ ratios are taken within a round and the median (and the range) of the
 rounds is printed. The kernels take bfloat16 activations (as torch does);
 --dtype f32 measures float32 ones.
 
-    python benchmarks/kernels.py             # both shapes, T 1 and 16, threads 1 and 2
-    python benchmarks/kernels.py --quick     # Qwen shape, 64 MiB rotation, 2 rounds
+    python benchmarks/expert_ffn.py             # both shapes, T 1 and 16, threads 1 and 2
+    python benchmarks/expert_ffn.py --quick     # Qwen shape, 64 MiB rotation, 2 rounds
 
 Formats: bf16, fp8_block, int4 (symmetric), int4_asym (zero points),
 mxfp4, gptq (no act order), gptq_act (act order: a shuffled g_idx), awq;
