@@ -195,9 +195,11 @@ static const int32_t QI_TRANSPOSE4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14
 VNNI INLINE __m512 qi_scales16(ColiScaleFormat f, const uint8_t *const sr[I16_ROWS], int64_t g, __mmask8 k) {
     __m512 v;
     if (f == COLI_SCALE_F32) {
+        /* the lane immediates spelled out: unoptimised (sanitizer) builds do not unroll */
         v = _mm512_castps128_ps512(_mm_maskz_loadu_ps(k, sr[0] + 4 * g));
-        UNROLL for (int r = 1; r < I16_ROWS; r++)
-            v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(k, sr[r] + 4 * g), r);
+        v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(k, sr[1] + 4 * g), 1);
+        v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(k, sr[2] + 4 * g), 2);
+        v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(k, sr[3] + 4 * g), 3);
     } else {
         __m128i a = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(k, sr[0] + 2 * g), _mm_maskz_loadu_epi16(k, sr[1] + 2 * g));
         __m128i b = _mm_unpacklo_epi64(_mm_maskz_loadu_epi16(k, sr[2] + 2 * g), _mm_maskz_loadu_epi16(k, sr[3] + 2 * g));

@@ -10,7 +10,12 @@ each attention class of the model, with one that computes a one-token call
 on CPU tensors with ``coli_rotary`` and passes every other call to the
 function it replaced. It does so only when the module's function and its
 ``rotate_half`` are transformers' usual ones (:data:`FORM`, compared on
-their syntax trees). The native call computes each value op by op as torch
+their syntax trees). Where Hugging Face's ``kernels`` package is installed
+(transformers 5.25 requires it), the module's function is a small
+``nn.Module`` that calls the plain function unless ``kernelize`` picked a
+hub kernel: its plain function is what is compared, and the wrapper is
+what every call the native path does not take still goes through. The
+native call computes each value op by op as torch
 does, rounding where torch rounds, so the results are the same bits; other
 models of the same family in the process therefore compute what they
 computed before.
@@ -19,6 +24,7 @@ computed before.
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any, Callable
 
 from colibri._ffi import ffi, lib
@@ -57,10 +63,27 @@ def rotary_form(module: Any) -> bool:
     """Whether ``module``'s (a modeling module's) ``apply_rotary_pos_emb``
     and ``rotate_half`` are :data:`FORM` and :data:`ROTATE_HALF`."""
     apply, half = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
-    apply = getattr(apply, _MARK, apply)
+    apply = _plain_function(getattr(apply, _MARK, apply))
     if not callable(apply) or not callable(half):
         return False
     return (function_form(apply), function_form(half)) == _FORMS
+
+
+def _plain_function(apply: Any) -> Any:
+    """The function under the ``kernels`` package's function wrapper (a
+    module whose class's forward calls it, held in that forward's closure as
+    ``func``), when ``apply`` is one and has no forward of its own; else
+    ``apply``."""
+    forward = getattr(type(apply), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if not hasattr(type(apply), "kernel_layer_name") or "forward" in getattr(apply, "__dict__", {}) \
+            or code is None or not cells or "func" not in code.co_freevars:
+        return apply
+    try:
+        inner = cells[code.co_freevars.index("func")].cell_contents
+    except ValueError:      # an empty cell
+        return apply
+    return inner if isinstance(inner, types.FunctionType) else apply
 
 
 def rotary(x: Any, cos: Any, sin: Any) -> Any:
