@@ -10,8 +10,10 @@
  *
  * Weights: 64 bytes read as 32 16-bit words hold a chunk's 128 nibbles;
  * vector n_s = every word's nibble s (a shift and a mask, no table), which
- * pairs with the inputs' vector s. Lane l of a chunk's integer products
- * covers inputs 8l .. 8l + 7 (a quarter of 32 inputs is lanes 4j .. 4j + 3).
+ * pairs with the inputs' vector s. One token's stream instead splits each
+ * input into two bytes and multiplies bytes (qi_bytes, QI_SUM1): the same
+ * integer sums. Lane l of a chunk's integer products covers inputs
+ * 8l .. 8l + 7 (a quarter of 32 inputs is lanes 4j .. 4j + 3).
  *
  * Sum, per (token, output): per scale unit (a chunk, or for groups that are
  * not a multiple of 128 a quarter of one), P = the exact integer sum of its
@@ -247,12 +249,64 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
     return q->quarters ? (v[r] + v[4 + r]) + (v[8 + r] + v[12 + r]) : v[r];
 }
 
+/* One token's inputs of a chunk as bytes, in place of its Q128 int16
+ * (qi_bytes): each a = 256 h + l, h = a >> 8 signed and l = a & 255
+ * unsigned, of the even inputs (2b at byte b) then the odd ones, which is
+ * how a chunk's 64 weight bytes hold them (low nibble of byte b: input 2b,
+ * high nibble: 2b + 1). Four vectors of 64 bytes: l even, h even, l odd,
+ * h odd. */
+enum { QI_L_EVEN = 0, QI_H_EVEN = 64, QI_L_ODD = 128, QI_H_ODD = 192 };
+
+/* vpermt2w indices: the even inputs of a Q128 chunk from its vectors 0
+ * and 2 (inputs 4i and 4i + 2), or the odd ones from 1 and 3, in two
+ * halves of 32. */
+static const int16_t QI_EVEN_FIRST[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                          8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const int16_t QI_EVEN_SECOND[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                           24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+VNNI static void qi_bytes(const QsInfo *q, int16_t *xq) {
+    const __m512i first = _mm512_loadu_si512(QI_EVEN_FIRST), second = _mm512_loadu_si512(QI_EVEN_SECOND);
+    for (int64_t c = 0; c < q->chunks; c++) {
+        int16_t *x = xq + 128 * c;
+        __m512i v[4];
+        for (int s = 0; s < 4; s++) v[s] = _mm512_loadu_si512(x + 32 * s);
+        for (int odd = 0; odd < 2; odd++) {
+            __m512i a0 = _mm512_permutex2var_epi16(v[odd], first, v[odd + 2]);
+            __m512i a1 = _mm512_permutex2var_epi16(v[odd], second, v[odd + 2]);
+            __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a0)),
+                                           _mm512_cvtepi16_epi8(a1), 1);
+            __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a0, 8))),
+                                           _mm512_cvtepi16_epi8(_mm512_srai_epi16(a1, 8)), 1);
+            _mm512_storeu_si512((uint8_t *)x + 128 * odd, l);
+            _mm512_storeu_si512((uint8_t *)x + 128 * odd + 64, h);
+        }
+    }
+}
+
+/* One token's integer sums of chunk CI of row r, per lane, from the bytes
+ * of qi_bytes: sum q (256 h + l) = 256 (sum q h) + sum l q, each a
+ * vpdpbusd of 64 products (nibbles unsigned times h signed; l unsigned
+ * times nibbles, 0 .. 15, as signed bytes): the exact sums of the int16
+ * products in fewer instructions. */
+#define QI_SUM1(P, r, CI, WHOLE)                                                             \
+    do {                                                                                     \
+        const uint8_t *src_ = rows[r] + 64 * (CI);                                           \
+        const uint8_t *xb_ = (const uint8_t *)xq + 256 * (CI);                               \
+        __m512i w_ = WHOLE ? _mm512_loadu_si512(src_) : _mm512_maskz_loadu_epi8(q->tail, src_); \
+        if (ahead) ffn_prefetch2((const char *)rows[0] + 64 * (I16_ROWS * (CI) + (r)), ahead); \
+        __m512i e_ = _mm512_and_si512(w_, lo8), o_ = _mm512_and_si512(_mm512_srli_epi16(w_, 4), lo8); \
+        __m512i h_ = _mm512_dpbusd_epi32(_mm512_setzero_si512(), e_, _mm512_loadu_si512(xb_ + QI_H_EVEN)); \
+        h_ = _mm512_dpbusd_epi32(h_, o_, _mm512_loadu_si512(xb_ + QI_H_ODD));                  \
+        h_ = _mm512_dpbusd_epi32(_mm512_slli_epi32(h_, 8), _mm512_loadu_si512(xb_ + QI_L_EVEN), e_); \
+        (P) = _mm512_dpbusd_epi32(h_, _mm512_loadu_si512(xb_ + QI_L_ODD), o_);                 \
+    } while (0)
+
 /* One token, four rows side by side: chunk CI. */
 #define QI_CHUNK1(CI, WHOLE)                                                                 \
     do {                                                                                     \
-        __m512i n[I16_ROWS][4], p[I16_ROWS];                                                  \
-        UNROLL for (int r = 0; r < I16_ROWS; r++) QI_DECODE(n[r], r, CI, WHOLE);              \
-        UNROLL for (int r = 0; r < I16_ROWS; r++) p[r] = QI_SUM(n[r], 0, CI);                 \
+        __m512i p[I16_ROWS];                                                                  \
+        UNROLL for (int r = 0; r < I16_ROWS; r++) QI_SUM1(p[r], r, CI, WHOLE);                \
         __m512i u_ = i16_quarters4(p[0], p[1], p[2], p[3]);                                   \
         __m512 x_ = _mm512_set1_ps(sx[CI]);                                                  \
         if (QUARTERS_) {                                                                     \
@@ -274,20 +328,21 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
         }                                                                                    \
     } while (0)
 
-/* One token: rows o0 .. o0 + nr - 1 over every chunk (xq, sx, A: the
- * token's). ZEROS: the rows' zero points z are read from qs_params's
- * table ps (else every one is the stored 8, a shift of A, and qs_params
- * left z unwritten). Scales S: from ps too, but with QUARTERS and without
- * ZEROS (groups of 32) where stored (qi_scales16). */
-#define QI_STREAM(QUARTERS, ZEROS)                                                           \
-    VNNI static void qi_stream_##QUARTERS##ZEROS(const QsInfo *q, int64_t o0, int nr, const int16_t *xq, \
-                                                 const float *sx, const int32_t *A, const float *ps, \
-                                                 float *dst) {                               \
-        enum { QUARTERS_ = QUARTERS, Z_ = ZEROS, ldq = 0 };                                  \
-        const __m512i lo = _mm512_set1_epi16(0xf), fours = _mm512_loadu_si512(I16_FOURS);     \
+/* One token: rows o0 .. o0 + nr - 1 over every chunk (xq: the token's
+ * inputs as qi_bytes leaves them; sx, A: its). ZEROS: the rows' zero
+ * points z are read from qs_params's table ps (else every one is the
+ * stored 8, a shift of A, and qs_params left z unwritten). Scales S: from
+ * ps too, but with QUARTERS and without ZEROS (groups of 32) where stored
+ * (qi_scales16), in format FMT (a constant: no branch a chunk). */
+#define QI_STREAM(QUARTERS, ZEROS, FMT, NAME)                                                \
+    VNNI static void qi_stream_##QUARTERS##ZEROS##NAME(const QsInfo *q, int64_t o0, int nr,  \
+                                                       const int16_t *xq, const float *sx,   \
+                                                       const int32_t *A, const float *ps, float *dst) { \
+        enum { QUARTERS_ = QUARTERS, Z_ = ZEROS };                                           \
+        const __m512i lo8 = _mm512_set1_epi8(0xf), fours = _mm512_loadu_si512(I16_FOURS);     \
         const int64_t ahead = rows_ahead(I16_ROWS * q->row_bytes);                           \
         const int32_t *z = (const int32_t *)(ps + q->st);                                    \
-        const ColiScaleFormat f = q->m->scale_format;                                        \
+        const ColiScaleFormat f = FMT;                                                       \
         const int64_t ss = f == COLI_SCALE_F32 ? 4 : 2, left = q->m->groups - 4 * q->whole;  \
         const __mmask8 tail4 = (__mmask8)(left >= 4 ? 0xf : left > 0 ? (1u << left) - 1 : 0); \
         const uint8_t *rows[I16_ROWS], *sr[I16_ROWS];                                         \
@@ -306,12 +361,15 @@ static inline float qi_result(const QsInfo *q, const float *v, int r) {
         else _mm_storeu_ps(v, cn);                                                           \
         for (int r = 0; r < nr; r++) dst[o0 + r] = qi_result(q, v, r);                       \
     }
-QI_STREAM(0, 0)
-QI_STREAM(0, 1)
-QI_STREAM(1, 0)
-QI_STREAM(1, 1)
+QI_STREAM(0, 0, q->m->scale_format, )
+QI_STREAM(0, 1, q->m->scale_format, )
+QI_STREAM(1, 0, COLI_SCALE_BF16, _bf16)
+QI_STREAM(1, 0, COLI_SCALE_F16, _f16)
+QI_STREAM(1, 0, COLI_SCALE_F32, _f32)
+QI_STREAM(1, 1, q->m->scale_format, )
 #undef QI_STREAM
 #undef QI_CHUNK1
+#undef QI_SUM1
 
 /* TB tokens, four rows: chunk CI (the rows decoded once for the block). */
 #define QI_CHUNKT(CI, WHOLE)                                                                 \
@@ -541,6 +599,9 @@ static size_t qs_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
     return qs_layout(&q, n0, n1, tokens).total;
 }
 
+typedef void (*QiStreamFn)(const QsInfo *, int64_t, int, const int16_t *, const float *, const int32_t *,
+                           const float *, float *);
+
 static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     QsInfo q = qs_info(m);
     /* the params' stream as far ahead as the rows' (whole blocks of rows) */
@@ -570,11 +631,14 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
     /* zero points read where stored, or where qs_params's generic path
      * wrote them; groups of 32 without them read their scales themselves */
     int zeros = m->zeros || (m->group != 128 && m->group != 32);
+    qi_bytes(&q, xq);
+    QiStreamFn own = m->scale_format == COLI_SCALE_F32 ? qi_stream_10_f32
+                     : m->scale_format == COLI_SCALE_F16 ? qi_stream_10_f16 : qi_stream_10_bf16;
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
         if (zeros || !q.quarters) qs_params(&q, o0, nr, ps, 0);
-        if (q.quarters) (zeros ? qi_stream_11 : qi_stream_10)(&q, o0, nr, xq, sx, A, ps, task->dst);
+        if (q.quarters) (zeros ? qi_stream_11 : own)(&q, o0, nr, xq, sx, A, ps, task->dst);
         else (zeros ? qi_stream_01 : qi_stream_00)(&q, o0, nr, xq, sx, A, ps, task->dst);
     }
 }
