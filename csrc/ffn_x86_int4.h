@@ -632,13 +632,13 @@ static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
      * wrote them; groups of 32 without them read their scales themselves */
     int zeros = m->zeros || (m->group != 128 && m->group != 32);
     qi_bytes(&q, xq);
-    QiStreamFn own = m->scale_format == COLI_SCALE_F32 ? qi_stream_10_f32
-                     : m->scale_format == COLI_SCALE_F16 ? qi_stream_10_f16 : qi_stream_10_bf16;
+    QiStreamFn own_scales = m->scale_format == COLI_SCALE_F32 ? qi_stream_10_f32
+                            : m->scale_format == COLI_SCALE_F16 ? qi_stream_10_f16 : qi_stream_10_bf16;
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
         qs_prefetch_params(&q, o0 + pa, n1);
         if (zeros || !q.quarters) qs_params(&q, o0, nr, ps, 0);
-        if (q.quarters) (zeros ? qi_stream_11 : own)(&q, o0, nr, xq, sx, A, ps, task->dst);
+        if (q.quarters) (zeros ? qi_stream_11 : own_scales)(&q, o0, nr, xq, sx, A, ps, task->dst);
         else (zeros ? qi_stream_01 : qi_stream_00)(&q, o0, nr, xq, sx, A, ps, task->dst);
     }
 }
