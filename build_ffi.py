@@ -34,13 +34,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
 MODULE = "colibri._colibri_cffi"
 PUBLIC_HEADERS = ("tensor.h", "expert_store.h", "coli_sources.h", "ffn.h", "rms_norm.h", "router_topk.h",
-                  "rotary.h", "decode_attention.h", "coli_store.h")
+                  "rotary.h", "decode_attention.h", "decode_layer.h", "coli_store.h")
 COMPAT_HEADER = "lru_store.h"           # the names before the rename, for one release
 ERRORS_HEADER = "coli_errors.h"         # private: only its anonymous enums go to cdef
 SOURCES = ("ls_api.c", "ls_create.c", "ls_lookup.c", "ls_prefetch.c", "ls_slots.c", "ls_policy.c",
            "ls_wait.c", "ls_stats.c", "expert_reader.c", "coli_formats.c", "io_pool.c",
            "ffn.c", "ffn_scalar.c", "ffn_x86.c", "ffn_neon.c", "compute_pool.c", "coli_kernels.c",
-           "ls_ffn.c", "rms_norm.c", "router_topk.c", "rotary.c", "decode_attention.c")
+           "ls_ffn.c", "rms_norm.c", "router_topk.c", "rotary.c", "decode_attention.c",
+           "decode_layer.c")
 LIBRARIES = ("pthread", "m")  # m: expf and ldexpf of the kernels
 # The test build only: the control, its header and the define that compiles it in.
 TEST_CONTROL_HEADER = "coli_test_control.h"
@@ -122,7 +123,7 @@ def make_builder(test: bool = False) -> FFI:
     builder.cdef(_cdef(test))
     compile_args, link_args = _compile_args()
     headers = ["coli_store.h", COMPAT_HEADER, "ffn.h", "rms_norm.h", "router_topk.h", "rotary.h",
-               "decode_attention.h"]
+               "decode_attention.h", "decode_layer.h"]
     if test:
         compile_args += [f"-D{TEST_DEFINE}", "-Werror"]
         headers.append(TEST_CONTROL_HEADER)

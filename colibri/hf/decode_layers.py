@@ -8,8 +8,10 @@ one thread while the kernels use all of them. :func:`use_decode_layers`
 gives each decoder layer of a family it knows (:data:`FAMILIES`) a forward
 that, for one token, calls the native functions the modules' own forwards
 call (norms, projections, rotary, attention, router), in the same order, on
-buffers it keeps, its operands checked once per step, and the key/value
-cache's update and the experts module as they do: the same bits.
+buffers it keeps, its operands checked once per step: two native calls
+(``coli_decode_qkv`` before the key/value cache's update, ``coli_decode_route``
+after it) run them, and the cache's update and the experts module run as
+they do: the same bits.
 
 A step takes this path when it is one token of batch 1 on the CPU without
 autograd, in the layer's dtype (float32 or bfloat16, every weight the path
@@ -195,15 +197,17 @@ class _Plan:
         self.o = empty((1, 1, hidden), dtype=dtype)
         self.post = empty((1, hidden), dtype=dtype)           # the post-attention norm's output
         self.logits = empty((1, experts), dtype=dtype)
-        self.attention = ffi.new("ColiDecodeAttention *", {
-            "q": _ptr(self.q_rotated), "out": _ptr(self.attended), "batch": 1, "heads": heads,
-            "kv_heads": kv_heads, "d": d, "dv": d, "format": self.code})
-        self.ptr = {name: _ptr(getattr(self, name)) for name in ("normed", "q", "k", "q_normed", "k_normed",
-                                                                 "q_rotated", "post")}
-        # one call per projection and the router, operands this plan's buffers (v's output: set per step)
-        self.calls = [self._linear_call(x, out) for x, out in ((self.normed, self.q), (self.normed, self.k),
-                                                              (self.normed, self.k), (self.attended, self.o),
-                                                              (self.post, self.logits))]
+        self.residual = empty((1, 1, hidden), dtype=dtype)     # h + o
+        code = self.code
+        self.qkv = ffi.new("ColiDecodeQkv *", {
+            "format": code, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "d": d, "qk_norm": int(qk_norm),
+            **{name: _ptr(getattr(self, name)) for name in ("normed", "q", "k", "q_normed", "k_normed",
+                                                           "q_rotated")}})
+        self.route = ffi.new("ColiDecodeRoute *", {
+            "format": code, "hidden": hidden, "experts": experts,
+            "attention": {"q": _ptr(self.q_rotated), "out": _ptr(self.attended), "batch": 1, "heads": heads,
+                          "kv_heads": kv_heads, "d": d, "dv": d, "format": code},
+            **{name: _ptr(getattr(self, name)) for name in ("attended", "o", "residual", "post", "logits")}})
         self.shapes = ((heads * d, hidden), (kv_heads * d, hidden), (kv_heads * d, hidden), (hidden, heads * d),
                        (experts, hidden))
 
@@ -232,11 +236,6 @@ class _Plan:
             return None
         weights.append(routers.kernel_weight(m.gate, m.gate.weight))
         return weights
-
-    def _linear_call(self, x: Any, out: Any) -> Any:
-        return ffi.new("ColiFfnCall *", {
-            "x": _ptr(x), "x_format": self.code, "x_stride": x.numel(),
-            "out": _ptr(out), "out_format": self.code, "out_stride": out.numel(), "tokens": 1})
 
     def _fits(self, layer: Any, m: _Modules, h: Any, kwargs: dict[str, Any], torch: Any) -> bool:
         """Whether this step is one the modules would compute natively."""
@@ -275,37 +274,34 @@ class _Plan:
             return None
         pool = compute_pool(default_threads(True))
         isa = kernels.call_isa()
-        for call in self.calls:
-            call.isa = isa
-        ptr = self.ptr
-        # attention, as the attention module's forward computes it
-        self._norm(m.input_norm, _ptr(h), ptr["normed"], 1)
+        # attention, as the attention module's forward computes it: norm, projections, rotary
+        qkv = self.qkv
         v = torch.empty((1, 1, self.kv_heads, d), dtype=self.dtype)
-        self.calls[2].out = _ptr(v)
-        for i in range(3):
-            self._linear(weights[i], self.calls[i], pool)
-        q, k = ptr["q"], ptr["k"]
-        if self.qk_norm:
-            self._norm(m.q_norm, q, ptr["q_normed"], self.heads)
-            self._norm(m.k_norm, k, ptr["k_normed"], self.kv_heads)
-            q, k = ptr["q_normed"], ptr["k_normed"]
         k_rotated = torch.empty((1, self.kv_heads, 1, d), dtype=self.dtype)
-        cos_p, sin_p = _ptr(cos), _ptr(sin)
-        self._rotary(q, ptr["q_rotated"], self.heads, cos_p, sin_p)
-        self._rotary(k, _ptr(k_rotated), self.kv_heads, cos_p, sin_p)
+        qkv.isa, qkv.h, qkv.cos, qkv.sin, qkv.v, qkv.k_rotated = isa, _ptr(h), _ptr(cos), _ptr(sin), _ptr(v), \
+            _ptr(k_rotated)
+        qkv.q_proj, qkv.k_proj, qkv.v_proj = weights[0].matrix(), weights[1].matrix(), weights[2].matrix()
+        _set_norm(qkv.input_norm, m.input_norm)
+        if self.qk_norm:
+            _set_norm(qkv.q_norm, m.q_norm)
+            _set_norm(qkv.k_norm, m.k_norm)
+        self._check(lib.coli_decode_qkv(qkv, pool, self.err, _ERR_LEN))
         # the keywords the layer's forward gives its attention, which gives them to the cache
         passed = {key: value for key, value in kwargs.items() if key not in _LAYER_ONLY}
         keys, values = cache.update(k_rotated, v.transpose(1, 2), m.attn.layer_idx, kwargs=passed)
-        if not self._attend(keys, values, float(m.attn.scaling), pool):
+        # then attention, o projection, residual, post-attention norm, router and its top-k
+        route = self.route
+        route.isa = isa
+        route.attend = self._attention_fits(keys, values, float(m.attn.scaling), isa)
+        if not route.attend:
             self._attend_by_module(m.attn, keys, values, passed)
-        self._linear(weights[3], self.calls[3], pool)
-        h = h + self.o
+        route.h, route.o_proj, route.router = _ptr(h), weights[3].matrix(), weights[4].matrix()
+        _set_norm(route.post_norm, m.post_norm)
+        scores, index = self._route_into(m.gate, route, torch)
+        self._check(lib.coli_decode_route(route, pool, self.err, _ERR_LEN))
         # the MoE block, as its forward computes it
-        self._norm(m.post_norm, _ptr(h), ptr["post"], 1)
-        self._linear(weights[4], self.calls[4], pool)
-        scores, index = self._route(m.gate, torch)
         routed = self._experts(m.mlp.experts, index, scores)
-        return h + routed.view(1, 1, self.hidden)
+        return self.residual + routed.view(1, 1, self.hidden)
 
     def _experts(self, experts: Any, index: Any, scores: Any) -> Any:
         """The experts module's output for the post-attention norm's
@@ -322,38 +318,21 @@ class _Plan:
                 return out
         return experts(self.post, index, scores)
 
-    def _norm(self, module: Any, x: Any, out: Any, rows: int) -> None:
-        """``module``'s RMS norm of ``rows`` rows at x into out (pointers)."""
-        w = module.weight
-        rc = lib.coli_rms_norm(x, out, _ptr(w), rows, w.numel(), self.code, self.code, self.code,
-                               float(module.variance_epsilon), WEIGHT_ORDERS[module.colibri_rms_form], self.err,
-                               _ERR_LEN)
-        self._check(rc)
-
-    def _linear(self, weight: Any, call: Any, pool: Any) -> None:
-        self._check(lib.coli_linear(weight.matrix(), call, pool, self.err, _ERR_LEN))
-
-    def _rotary(self, x: Any, out: Any, heads: int, cos: Any, sin: Any) -> None:
-        """The rotary embedding of ``heads`` heads at x into out (pointers)."""
-        rc = lib.coli_rotary(x, out, heads, heads, self.d, cos, sin, self.code, self.err, _ERR_LEN)
-        self._check(rc)
-
-    def _attend(self, keys: Any, values: Any, scaling: float, pool: Any) -> bool:
-        """The native one-query attention over the cache's keys and values,
-        as the decode attention computes it; False (nothing computed) when
-        it would not read them."""
+    def _attention_fits(self, keys: Any, values: Any, scaling: float, isa: int) -> int:
+        """1 with the route's attention set to read the cache's keys and
+        values, as the decode attention computes it; 0 when the native
+        call would not read them."""
         n = int(keys.shape[2]) if keys.dim() == 4 else 0
         shape = (1, self.kv_heads, n, self.d)
         if not n or tuple(keys.shape) != shape or tuple(values.shape) != shape or keys.dtype != self.dtype \
                 or values.dtype != self.dtype or keys.stride(3) != 1 or values.stride(3) != 1 \
                 or not (keys.is_cpu and values.is_cpu):
-            return False
-        a = self.attention
-        a.k, a.v, a.n, a.scale, a.isa = _ptr(keys), _ptr(values), n, scaling, kernels.call_isa()
+            return 0
+        a = self.route.attention
+        a.k, a.v, a.n, a.scale, a.isa = _ptr(keys), _ptr(values), n, scaling, isa
         a.k_batch, a.k_head, a.k_token = keys.stride(0), keys.stride(1), keys.stride(2)
         a.v_batch, a.v_head, a.v_token = values.stride(0), values.stride(1), values.stride(2)
-        self._check(lib.coli_decode_attention(a, pool, self.err, _ERR_LEN))
-        return True
+        return 1
 
     def _attend_by_module(self, attn: Any, keys: Any, values: Any, passed: dict[str, Any]) -> None:
         """Attention over keys and values the native call does not read, by
@@ -366,18 +345,17 @@ class _Plan:
                           sliding_window=window, **passed)
         self.attended.copy_(out.reshape(self.attended.shape))
 
-    def _route(self, gate: Any, torch: Any) -> tuple[Any, Any]:
-        """The router's top-k of the logits, as its native forward routes."""
+    def _route_into(self, gate: Any, route: Any, torch: Any) -> tuple[Any, Any]:
+        """New scores and index tensors for the router's top-k, set in the
+        route as its native forward routes."""
         form = routers.FORMS[gate.colibri_router_form]
-        k, experts = int(gate.top_k), self.experts
+        k = int(gate.top_k)
         renorm = True if form.renorm == "always" else bool(getattr(gate, form.renorm))
         scores_dtype = self.dtype if form.scores == "logits" else torch.float32
         scores = torch.empty((1, k), dtype=scores_dtype)
         index = torch.empty((1, k), dtype=torch.int64)
-        rc = lib.coli_router_topk(_ptr(self.logits), self.code, 1, experts, k, int(renorm), _ptr(scores),
-                                  float_codes()[scores_dtype], ffi.cast("int64_t *", index.data_ptr()), self.err,
-                                  _ERR_LEN)
-        self._check(rc)
+        route.top_k, route.renorm, route.scores_format = k, int(renorm), float_codes()[scores_dtype]
+        route.scores, route.index = _ptr(scores), ffi.cast("int64_t *", index.data_ptr())
         return scores, index
 
     def _check(self, rc: int) -> None:
@@ -394,6 +372,14 @@ def _routes_natively(gate: Any, dtype: Any, hidden: int) -> bool:
     return getattr(vars(gate).get("forward"), "__func__", None) is routers.native_forward \
         and getattr(gate, "colibri_router_form", None) in routers.FORMS and int(gate.hidden_dim) == hidden \
         and routers.weight_fits(gate, dtype)
+
+
+def _set_norm(norm: Any, module: Any) -> None:
+    """The ``ColiDecodeNorm`` fields of RMS norm ``module`` (its weight
+    checked to fit by the step)."""
+    norm.weight = _ptr(module.weight)
+    norm.eps = float(module.variance_epsilon)
+    norm.order = WEIGHT_ORDERS[module.colibri_rms_form]
 
 
 def _ptr(t: Any) -> Any:
