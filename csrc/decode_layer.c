@@ -98,6 +98,8 @@ int coli_decode_route(const ColiDecodeRoute *s, ColiComputePool *pool, char *err
     if (!s) return coli_fail(err, err_len, COLI_EINVAL, "decode layer: NULL step");
     int rc = check_format(s->format, err, err_len);
     if (rc) return rc;
+    if (!s->h || !s->o || !s->residual)    /* the add reads and writes them itself */
+        return coli_fail(err, err_len, COLI_EINVAL, "decode layer: NULL h, o or residual");
     if (s->attend) {
         rc = coli_decode_attention(&s->attention, pool, err, err_len);
         if (rc < 0) return piece_failed(rc, "attention", err, err_len);

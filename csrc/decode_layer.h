@@ -72,7 +72,9 @@ typedef struct {
     int64_t *index;
 } ColiDecodeRoute;
 
-/* 0, or the failing piece's negative COLI_E* code with err naming it. */
+/* 0, or the failing piece's negative COLI_E* code with err naming it
+ * (COLI_EINVAL for a NULL step, a format other than F32 or BF16, or, in
+ * the route, a NULL h, o or residual). */
 int coli_decode_qkv(const ColiDecodeQkv *s, ColiComputePool *pool, char *err, size_t err_len);
 int coli_decode_route(const ColiDecodeRoute *s, ColiComputePool *pool, char *err, size_t err_len);
 

@@ -191,7 +191,12 @@ def test_bad_calls_name_the_piece() -> None:
     _norm(s.input_norm, t.w_in, 1e-6, 0)
     assert lib.coli_decode_qkv(s, ffi.NULL, err, ERR) == lib.COLI_EINVAL   # no q projection
     assert ffi.string(err).decode().startswith("decode layer: q projection: ")
-    r = ffi.new("ColiDecodeRoute *", {"format": lib.COLI_TENSOR_F32, "hidden": 32, "experts": 4, "attend": 1})
+    o, residual = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    r = ffi.new("ColiDecodeRoute *", {"format": lib.COLI_TENSOR_F32, "hidden": 32, "experts": 4, "attend": 1,
+                                      "h": _ptr(h), "o": _ptr(o)})
+    assert lib.coli_decode_route(r, ffi.NULL, err, ERR) == lib.COLI_EINVAL
+    assert "NULL h, o or residual" in ffi.string(err).decode()
+    r.residual = _ptr(residual)
     assert lib.coli_decode_route(r, ffi.NULL, err, ERR) < 0
     assert ffi.string(err).decode().startswith("decode layer: attention: ")
 
@@ -199,7 +204,9 @@ def test_bad_calls_name_the_piece() -> None:
 @pytest.mark.parametrize("short", [1, 8, 40])
 def test_a_short_message_buffer_is_not_overrun(short: int) -> None:
     err = ffi.new("char[]", short + 8)
-    r = ffi.new("ColiDecodeRoute *", {"format": lib.COLI_TENSOR_F32, "hidden": 32, "experts": 4, "attend": 1})
+    x = np.zeros(32, np.float32)
+    r = ffi.new("ColiDecodeRoute *", {"format": lib.COLI_TENSOR_F32, "hidden": 32, "experts": 4, "attend": 1,
+                                      "h": _ptr(x), "o": _ptr(x), "residual": _ptr(x)})
     assert lib.coli_decode_route(r, ffi.NULL, err, short) < 0
     assert len(ffi.string(err)) <= short - 1
     assert all(b == 0 for b in ffi.buffer(err)[short:])
