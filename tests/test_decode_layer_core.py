@@ -63,14 +63,19 @@ class _Layer:
         self.keys, self.values = r(kv_heads, n, d), r(kv_heads, n, d)
 
 
+def _buffers(t: _Layer) -> dict[str, np.ndarray]:
+    """Zeroed buffers of every activation of the step."""
+    nq, nk = t.heads * t.d, t.kv_heads * t.d
+    sizes = {"normed": t.hidden, "q": nq, "k": nk, "v": nk, "q_normed": nq, "k_normed": nk, "q_rotated": nq,
+             "k_rotated": nk, "attended": nq, "o": t.hidden, "residual": t.hidden, "post": t.hidden,
+             "logits": t.experts}
+    return {name: np.zeros(size, t.dtype) for name, size in sizes.items()}
+
+
 def _pieces(t: _Layer, qk_norm: bool, top_k: int, pool: Any) -> dict[str, np.ndarray]:
     """The step by the pieces' own calls, one by one."""
     err, keep = ffi.new("char[]", ERR), []
-    out = {name: np.zeros(size, t.dtype) for name, size in (
-        ("normed", t.hidden), ("q", t.heads * t.d), ("k", t.kv_heads * t.d), ("v", t.kv_heads * t.d),
-        ("q_normed", t.heads * t.d), ("k_normed", t.kv_heads * t.d), ("q_rotated", t.heads * t.d),
-        ("k_rotated", t.kv_heads * t.d), ("attended", t.heads * t.d), ("o", t.hidden), ("post", t.hidden),
-        ("logits", t.experts))}
+    out = _buffers(t)
 
     def ok(rc: int) -> None:
         assert rc == 0, ffi.string(err)
@@ -117,11 +122,7 @@ def _attention(t: _Layer, q: np.ndarray, out: np.ndarray) -> Any:
 def _two_calls(t: _Layer, qk_norm: bool, top_k: int, pool: Any, attend: bool,
                attended: np.ndarray | None = None) -> dict[str, np.ndarray]:
     err, keep = ffi.new("char[]", ERR), []
-    out = {name: np.zeros(size, t.dtype) for name, size in (
-        ("normed", t.hidden), ("q", t.heads * t.d), ("k", t.kv_heads * t.d), ("v", t.kv_heads * t.d),
-        ("q_normed", t.heads * t.d), ("k_normed", t.kv_heads * t.d), ("q_rotated", t.heads * t.d),
-        ("k_rotated", t.kv_heads * t.d), ("attended", t.heads * t.d), ("o", t.hidden), ("residual", t.hidden),
-        ("post", t.hidden), ("logits", t.experts))}
+    out = _buffers(t)
     s = ffi.new("ColiDecodeQkv *", {
         "format": t.fmt, "isa": -1, "hidden": t.hidden, "heads": t.heads, "kv_heads": t.kv_heads, "d": t.d,
         "qk_norm": int(qk_norm), "q_proj": _matrix(t.q, keep), "k_proj": _matrix(t.k, keep),
