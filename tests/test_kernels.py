@@ -236,6 +236,25 @@ def test_a_token_gets_the_same_bits_alone_or_batched(case: dict[str, Any]) -> No
             assert batch[p].tobytes() == alone[0].tobytes()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens", [8, 16, 23, 40])
+def test_every_token_of_a_large_batch_gets_its_bits_alone(checkpoints: dict[str, Path], fmt: str,
+                                                          tokens: int) -> None:
+    """Batches the kernels split into blocks of 16, 8 and fewer tokens
+    (16 + 8 + 4 + 2 + 1 for 23): each token's output is its output alone,
+    on every path this CPU runs, and within the bound of the reference."""
+    for ex in _leased(checkpoints[fmt]):
+        weights = colibri.dequantize(ex)
+        x = _tokens(np.random.default_rng(tokens), tokens, weights["down"].shape[0], BF16)
+        want = reference(weights, x, "silu")
+        for isa in kernels.available_isas():
+            batch = kernels.expert_ffn(ex, x, isa=isa, threads=2)
+            assert relative_error(batch, want) <= BF16_BOUND, isa
+            for p in range(tokens):
+                alone = kernels.expert_ffn(ex, x[p:p + 1].copy(), isa=isa)
+                assert batch[p].tobytes() == alone[0].tobytes(), (isa, p)
+
+
 def test_a_call_larger_than_one_batch() -> None:
     """More tokens than the buffers of one batch hold (an intermediate of
     90000 units keeps a batch at 64 tokens): every token is right, and the
