@@ -147,9 +147,8 @@ static const int8_t MI_E2M1_X2_P12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11
  * and sum l (w + 12) (the reverse), so P = 256 sum (w + 12) h +
  * sum (w + 12) l - 12 sum x is the exact integer the 16-bit products
  * give, and c takes the pair's four halves in order: the same bits as
- * mi_stream_1. Rows
- * o0 .. o0 + nr - 1 (the missing ones repeat the first and are not
- * stored); S: the rows' scales. */
+ * mi_stream_1. Rows o0 .. o0 + nr - 1 (the missing ones repeat the first
+ * and are not stored); S: the rows' scales. */
 VNNI static void mi_stream(const MiInfo *d, int64_t o0, int nr, const MiPair *pairs, const float *S, float *dst) {
     const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MI_E2M1_X2_P12));
     const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -255,18 +254,15 @@ MI_STREAMT(16)
 
 typedef void (*MiStreamFn)(const MiInfo *d, int64_t o0, int nr, const int16_t *xq, const float *sxt,
                            int64_t tp, const float *S, float *dst, int64_t ld_dst);
-static const MiStreamFn MI_STREAM_FNS[3] = {mi_stream_1, mi_stream_2, mi_stream_4};
+/* Stream i takes 2^i tokens. */
+static const MiStreamFn MI_STREAM_FNS[5] = {mi_stream_1, mi_stream_2, mi_stream_4, mi_stream_8, mi_stream_16};
 
-/* The stream for the next *tb of left tokens: 16 or 8 at once where that
- * many are left, else i16_block's choice. */
+/* The stream for the next *tb of left (>= 1) tokens: the largest that fits. */
 static MiStreamFn mi_stream_fn(int left, int *tb) {
-    int fn;
-    if (left >= 8) {
-        *tb = left >= 16 ? 16 : 8;
-        return left >= 16 ? mi_stream_16 : mi_stream_8;
-    }
-    *tb = i16_block(left, &fn);
-    return MI_STREAM_FNS[fn];
+    int i = 4;
+    while ((1 << i) > left) i--;
+    *tb = 1 << i;
+    return MI_STREAM_FNS[i];
 }
 
 /* More than one token with AMX (ffn_x86_amx.h): 16 rows, a half block and
