@@ -5,7 +5,7 @@ symmetric int4 with one bf16 scale per group of 32 input columns, packed by
 the ``compressed-tensors`` package's own compressor; the token embedding,
 output head, routers and norms stay bf16. The checkpoint is written
 directly, a tensor at a time, never as a bf16 model in memory: the
-benchmark's 4-bit model is 14.5 GB in bf16.
+benchmark's 4-bit model is 29 GB in bf16.
 
 The scales follow llama.cpp's Q4_0 rule rather than compressed-tensors'
 default one: in each group the weight of largest magnitude is made negative

@@ -150,9 +150,11 @@ FULL_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, mo
 QUICK_MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    num_experts=32, num_experts_per_tok=4)
-# 4bit: twice the expert width and 24 layers: int4 experts of 4.1 GB (14.5 GB
-# in bf16), as far beyond what their limit leaves them as the bf16 ones
-FULL_MODEL_4BIT = dict(FULL_MODEL, moe_intermediate_size=768, num_hidden_layers=24)
+# 4bit: twice the expert width and 48 layers: int4 experts of 8.2 GB (29 GB in
+# bf16), 2.6x what their limit leaves them (the limit's fixed runtime allowance
+# keeps that under 4x at any size); llama.cpp in RAM, its file plus a repacked
+# copy, peaks at 17 GB, about what a 24 GiB machine can hold
+FULL_MODEL_4BIT = dict(FULL_MODEL, moe_intermediate_size=768, num_hidden_layers=48)
 QUICK_MODEL_4BIT = QUICK_MODEL
 
 
