@@ -740,9 +740,44 @@ def prefill_rows(formats: list[str], threads: list[int], runs: list[dict[str, An
     return rows
 
 
+# Peak memory of the unlimited in-RAM rows per byte of their files, as
+# measured: llama.cpp in RAM holds its file and a repacked copy (2.0x),
+# transformers its checkpoint and the page cache of it (2.15x, bf16; 4bit's
+# (a) is decided by its dequantized size), colibri with every expert cached
+# its checkpoint and the runtime (1.3x)
+IN_RAM_PEAK = {"a": 2.2, "g": 2.1, "h": 1.4}
+
+
+def in_ram_left_out(pair: dict[str, Any], config: str, quant: str | None, mem_total: int) -> str | None:
+    """Why an unlimited in-RAM row of ``pair`` is left out on a machine of
+    ``mem_total`` bytes (its expected peak would not fit), or None."""
+    if config not in IN_RAM_PEAK or (config == "a" and pair["fmt"] != "bf16"):
+        return None
+    if config == "g":
+        size = pair["gguf_sizes"].get(quant or "", {}).get("file_bytes", 0)
+    else:
+        size = pair["sizes"]["expert_bytes"] + pair["sizes"]["other_bytes"]
+    peak = IN_RAM_PEAK[config] * size
+    if peak <= 0.85 * mem_total:
+        return None
+    return (f"{pair['fmt']}: {CONFIGS[config]}{' ' + quant.upper() if quant and quant != 'bf16' else ''} left out: "
+            f"it would peak at about {peak / 1e9:.1f} GB, this machine has {mem_total / 1e9:.1f} GB")
+
+
 def plan_runs(formats: list[str], configs: str, threads: list[int], quants: list[str],
-              pairs: dict[str, dict[str, Any]], fits_4bit_a: bool) -> list[dict[str, Any]]:
+              pairs: dict[str, dict[str, Any]], fits_4bit_a: bool, mem_total: int | None = None,
+              notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The runs of a round. With ``mem_total``, the in-RAM rows whose peak
+    would not fit are left out, each with its reason in ``notes``."""
     runs = []
+    notes = [] if notes is None else notes
+
+    def left_out(pair: dict[str, Any], config: str, quant: str | None) -> bool:
+        why = in_ram_left_out(pair, config, quant, mem_total) if mem_total is not None else None
+        if why is not None and why not in notes:
+            notes.append(why)
+        return why is not None
+
     for f in formats:
         for t in threads:
             for c in configs:
@@ -750,9 +785,9 @@ def plan_runs(formats: list[str], configs: str, threads: list[int], quants: list
                     continue
                 if c in LLAMA:
                     for q in (["bf16"] if f == "bf16" else quants):
-                        if q in pairs[f]["gguf"]:
+                        if q in pairs[f]["gguf"] and not left_out(pairs[f], c, q):
                             runs.append({"fmt": f, "config": c, "threads": t, "quant": q})
-                else:
+                elif not left_out(pairs[f], c, None):
                     runs.append({"fmt": f, "config": c, "threads": t, "quant": None})
     return runs
 
@@ -899,7 +934,11 @@ def main(argv: list[str] | None = None) -> int:
 
         plan = {"direct_io": not args.buffered, "seed": args.seed, "prompt": prompt, "continuation": continuation,
                 "tokens": args.tokens, "tokens_offload": args.tokens_offload}
-        runs = plan_runs(formats, configs, threads, quants, pairs, fits_4bit_a)
+        left_out: list[str] = []
+        runs = plan_runs(formats, configs, threads, quants, pairs, fits_4bit_a, mem_total=mem_total, notes=left_out)
+        for n in left_out:
+            print(n, flush=True)
+        notes.extend(left_out)
         results: dict[str, list[dict[str, Any]]] = {run_key(r): [] for r in runs}
         rounds: list[dict[str, dict[str, Any]]] = []
         reads: list[dict[str, dict[str, Any]]] = []    # per round, per format: the O_DIRECT read bound

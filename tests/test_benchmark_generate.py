@@ -159,6 +159,32 @@ def test_runs_pair_each_format_with_its_engines():
     assert generate.differences([1, 5, 3, 7], [1, 2, 4]) == [1, 2]
 
 
+def test_in_ram_rows_that_would_not_fit_the_machine_are_left_out_with_a_reason():
+    generate = _generate_module()
+    gb = 10**9
+    pairs = {"bf16": {"fmt": "bf16", "gguf": {"bf16": "m.gguf"}, "gguf_sizes": {"bf16": {"file_bytes": 5 * gb}},
+                      "sizes": {"expert_bytes": 4.8 * gb, "other_bytes": 0.2 * gb}},
+             "4bit": {"fmt": "4bit", "gguf": {"q4_0": "a.gguf"}, "gguf_sizes": {"q4_0": {"file_bytes": 8.4 * gb}},
+                      "sizes": {"expert_bytes": 8.2 * gb, "other_bytes": 0.2 * gb}}}
+
+    def plan(mem_total):
+        notes: list[str] = []
+        runs = generate.plan_runs(["bf16", "4bit"], "acdfgh", [1, 2], ["q4_0"], pairs, False,
+                                  mem_total=mem_total, notes=notes)
+        return {generate.run_key(r) for r in runs}, notes
+
+    everything, notes = plan(25.7 * gb)          # 24 GiB: every row
+    assert notes == [] and {"4bit/2t/g/q4_0", "4bit/1t/h", "bf16/1t/a", "bf16/2t/g/bf16"} <= everything
+    assert everything == {generate.run_key(r) for r in generate.plan_runs(
+        ["bf16", "4bit"], "acdfgh", [1, 2], ["q4_0"], pairs, False)}   # no mem_total: nothing left out
+    keys, notes = plan(16 * gb)                  # 16 GB: llama.cpp's 4-bit in RAM (17.6 GB) is left out
+    assert everything - keys == {"4bit/1t/g/q4_0", "4bit/2t/g/q4_0"}
+    assert len(notes) == 1 and "4bit" in notes[0] and "llama.cpp in RAM" in notes[0] and "17.6 GB" in notes[0]
+    keys, notes = plan(8 * gb)                   # 8 GB: only the rows under a limit
+    assert {k.split("/")[2] for k in keys} == {"c", "d", "f"}
+    assert len(notes) == 5                       # bf16 (a) (g) (h), 4bit (g) (h): one note each, not per thread
+
+
 def test_the_prompts_experts_are_recorded_after_a_routing_hook_already_set():
     generate = _generate_module()
     seen = []
