@@ -78,6 +78,19 @@ static AVX512 __m512 load16(const void *p, int64_t i, __mmask16 m, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* Rows of keys or values are read once per call, in order, usually cold
+ * (a decode step streams a layer's weights between two calls). Without a
+ * hint each row waited for memory: measured at n = 302, 68-77 us cold
+ * against 14 us warm. So each loop asks for the row ROWS_AHEAD on while it
+ * computes this one, every cache line of it, and never past the last row. */
+#define ROWS_AHEAD 16
+
+static AVX512 void prefetch_row(const void *p, int64_t at, int64_t count, int bf16) {
+    const char *row = (const char *)p + at * (bf16 ? 2 : 4);
+    const int64_t bytes = count * (bf16 ? 2 : 4);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+}
+
 static AVX512 __mmask16 lanes(int64_t left) {
     if (left <= 0) return 0;
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
@@ -140,6 +153,7 @@ static AVX512 void weigh_values(const ColiDecodeAttention *a, int64_t base, cons
            y3 = _mm512_setzero_ps();
     for (int64_t j = 0; j < a->n; j++) {
         const int64_t at = base + j * a->v_token + c;
+        if (j + ROWS_AHEAD < a->n) prefetch_row(a->v, at + ROWS_AHEAD * a->v_token, w, bf16);
         const __m512 p = _mm512_set1_ps(s[j]);
         y0 = _mm512_fmadd_ps(p, load16(a->v, at, m0, bf16), y0);
         if (w > 16) y1 = _mm512_fmadd_ps(p, load16(a->v, at + 16, m1, bf16), y1);
@@ -165,6 +179,7 @@ static AVX512 void head_avx512(const ColiDecodeAttention *a, int64_t b, int64_t 
     float max = -INFINITY;
     const int64_t kbase = b * a->k_batch + g * a->k_head;
     for (int64_t j = 0; j < a->n; j++) {
+        if (j + ROWS_AHEAD < a->n) prefetch_row(a->k, kbase + (j + ROWS_AHEAD) * a->k_token, a->d, bf16);
         s[j] = dot_row(qf, a->k, kbase + j * a->k_token, a->d, bf16);
         max = s[j] > max ? s[j] : max;
     }
@@ -194,6 +209,7 @@ static AVX512 void four_heads_avx512(const ColiDecodeAttention *a, int64_t b, in
     const int64_t kbase = b * a->k_batch + g * a->k_head;
     for (int64_t j = 0; j < n; j++) {
         const int64_t at = kbase + j * a->k_token;
+        if (j + ROWS_AHEAD < n) prefetch_row(a->k, at + ROWS_AHEAD * a->k_token, d, bf16);
         __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps(), t2 = _mm512_setzero_ps(),
                t3 = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; i += 16) {
@@ -220,6 +236,8 @@ static AVX512 void four_heads_avx512(const ColiDecodeAttention *a, int64_t b, in
                y30 = _mm512_setzero_ps(), y31 = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
             const int64_t at = vbase + j * a->v_token + c;
+            if (j + ROWS_AHEAD < n)
+                prefetch_row(a->v, at + ROWS_AHEAD * a->v_token, a->dv - c < 32 ? a->dv - c : 32, bf16);
             const __m512 v0 = load16(a->v, at, m0, bf16), v1 = load16(a->v, at + 16, m1, bf16);
             __m512 p = _mm512_set1_ps(s[j]);
             y00 = _mm512_fmadd_ps(p, v0, y00);

@@ -296,3 +296,48 @@ def test_a_forward_of_a_modules_own_is_not_skipped(tmp_path_factory: pytest.Temp
     layers = lean.config.num_hidden_layers
     assert sum(taken) == 2 * (layers - 2)        # the two steps of the layers not wrapped
     assert calls.count("router") == calls.count("q_norm") == 2 * 3      # both models, the prompt and 2 steps
+
+
+@pytest.mark.parametrize("how", ["parameter", "data"])
+def test_weights_replaced_between_steps_are_the_ones_read(case: tuple[Any, Any, Any], taken: list[bool],
+                                                          how: str) -> None:
+    """A norm's, a projection's and a router's weight replaced after a step
+    (a new Parameter, or new memory under the same one): the next steps
+    read the new weights, on the lean path, and give the modules' bits."""
+    lean, modules, _ = case
+
+    def replace(model: Any) -> list[tuple[Any, str, Any]]:
+        layer = model.model.layers[1]
+        olds = []
+        for module in (layer.input_layernorm, layer.self_attn.q_proj, layer.mlp.gate):
+            if "packed" in vars(module):
+                continue    # a packed projection computes from the checkpoint's bytes, not a weight
+            old = module.weight
+            new = (old.detach() * -0.75).contiguous()
+            if how == "parameter":
+                module.weight = torch.nn.Parameter(new, requires_grad=False)
+            else:
+                old.data = new
+            olds.append((module, how, old))
+        return olds
+
+    def restore(olds: list[tuple[Any, str, Any]]) -> None:
+        for module, kind, old in olds:
+            if kind == "parameter":
+                module.weight = old
+            else:
+                old.data = (old.detach() / -0.75).contiguous()
+
+    with torch.no_grad():
+        before = _steps(lean, 2)
+        changed = [replace(m) for m in (lean, modules)]
+        taken.clear()
+        try:
+            got, want = _steps(lean, 2), _steps(modules, 2)
+        finally:
+            for olds in changed:
+                restore(olds)
+    assert not torch.equal(got[-1], before[-1])
+    assert sum(taken) == 2 * lean.config.num_hidden_layers
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

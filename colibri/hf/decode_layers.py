@@ -37,6 +37,7 @@ from colibri.errors import error_for
 from colibri.hf import routers
 from colibri.hf.accept import IMPLEMENTATION
 from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
+from colibri.hf.module_attrs import child, parameter
 from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
 from colibri.hf.norms import native_forward as norm_forward
 from colibri.hf.norms import weight_fits as norm_weight_fits
@@ -107,11 +108,13 @@ class _Modules(NamedTuple):
 
 
 def _modules_of(layer: Any) -> _Modules:
-    attn, mlp = layer.self_attn, layer.mlp
+    """The layer's modules (AttributeError when one is missing)."""
+    attn, mlp = child(layer, "self_attn"), child(layer, "mlp")
     qk = bool(getattr(layer, "colibri_qk_norm", False))
-    return _Modules(attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.input_layernorm,
-                    layer.post_attention_layernorm, mlp, mlp.gate, attn.q_norm if qk else None,
-                    attn.k_norm if qk else None)
+    return _Modules(attn, child(attn, "q_proj"), child(attn, "k_proj"), child(attn, "v_proj"),
+                    child(attn, "o_proj"), child(layer, "input_layernorm"), child(layer, "post_attention_layernorm"),
+                    mlp, child(mlp, "gate"), child(attn, "q_norm") if qk else None,
+                    child(attn, "k_norm") if qk else None)
 
 
 # Each layer's plans by dtype, with weak references to the modules they were
@@ -211,31 +214,46 @@ class _Plan:
         self.shapes = ((heads * d, hidden), (kv_heads * d, hidden), (kv_heads * d, hidden), (hidden, heads * d),
                        (experts, hidden))
 
-    def _fitting_weights(self, m: _Modules) -> list[Any] | None:
-        """The projections' and the router's PackedWeight when every weight
-        the step reads is what this plan was made for, as the modules'
-        native forwards take it; else None."""
-        norms = ((m.input_norm, self.hidden), (m.post_norm, self.hidden), (m.q_norm, self.d), (m.k_norm, self.d))
-        for norm, n in norms[:4 if self.qk_norm else 2]:
-            w = getattr(norm, "weight", None)
-            if w is None or not getattr(norm, "colibri_rms_form", None) \
-                    or getattr(vars(norm).get("forward"), "__func__", None) is not norm_forward \
-                    or w.dtype != self.dtype or w.numel() != n or not norm_weight_fits(w):
+    def _fitting_weights(self, m: _Modules) -> tuple[list[Any], list[Any]] | None:
+        """The norms' weights (input, post-attention, then query and key
+        heads') and the projections' and the router's PackedWeight, when
+        every weight the step reads is what this plan was made for, as the
+        modules' native forwards take it; else None."""
+        dtype = self.dtype
+        norms = [self._norm_weight(m.input_norm, self.hidden), self._norm_weight(m.post_norm, self.hidden)]
+        if self.qk_norm:
+            norms += (self._norm_weight(m.q_norm, self.d), self._norm_weight(m.k_norm, self.d))
+        for w in norms:
+            if w is None:
                 return None
-        weights = self._weights(m)
-        if weights is None or any(tuple(w.shape) != s for w, s in zip(weights, self.shapes)):
+        for x in (m.attn, m.mlp, m.q_proj, m.k_proj, m.v_proj, m.o_proj):
+            if "forward" in x.__dict__:
+                return None     # a forward of the module's own: the path would skip it
+        weights = []
+        for p, shape in zip((m.q_proj, m.k_proj, m.v_proj, m.o_proj), self.shapes):
+            w = _projection_weight(p, dtype)
+            if w is None or tuple(w.shape) != shape:
+                return None
+            weights.append(w)
+        gate = m.gate
+        if not _routes_natively(gate, dtype, self.hidden):
             return None
-        return weights
+        router = routers.kernel_weight(gate, parameter(gate, "weight"))
+        if tuple(router.shape) != self.shapes[4]:
+            return None
+        weights.append(router)
+        return norms, weights
 
-    def _weights(self, m: _Modules) -> list[Any] | None:
-        """The projections' and the router's PackedWeight, or None."""
-        if any("forward" in vars(x) for x in (m.attn, m.mlp, m.q_proj, m.k_proj, m.v_proj, m.o_proj)):
-            return None     # a forward of the module's own: the path would skip it
-        weights = [_projection_weight(p, self.dtype) for p in (m.q_proj, m.k_proj, m.v_proj, m.o_proj)]
-        if any(w is None for w in weights) or not _routes_natively(m.gate, self.dtype, self.hidden):
+    def _norm_weight(self, norm: Any, n: int) -> Any:
+        """RMS norm ``norm``'s weight of ``n`` values, when its native
+        forward computes with it in this plan's dtype; else None."""
+        d = norm.__dict__
+        w = parameter(norm, "weight")
+        if w is None or not d.get("colibri_rms_form") \
+                or getattr(d.get("forward"), "__func__", None) is not norm_forward \
+                or w.dtype != self.dtype or not w.is_cpu or w.dim() != 1 or w.shape[0] != n or not w.is_contiguous():
             return None
-        weights.append(routers.kernel_weight(m.gate, m.gate.weight))
-        return weights
+        return w
 
     def _fits(self, layer: Any, m: _Modules, h: Any, kwargs: dict[str, Any], torch: Any) -> bool:
         """Whether this step is one the modules would compute natively."""
@@ -269,9 +287,10 @@ class _Plan:
         if not all(isinstance(t, torch.Tensor) and t.dtype == self.dtype and tuple(t.shape) == (1, 1, d)
                    and t.is_cpu and t.is_contiguous() for t in (cos, sin)):
             return None
-        weights = self._fitting_weights(m)
-        if weights is None:
+        fitted = self._fitting_weights(m)
+        if fitted is None:
             return None
+        norms, weights = fitted
         pool = compute_pool(default_threads(True))
         isa = kernels.call_isa()
         # attention, as the attention module's forward computes it: norm, projections, rotary
@@ -281,10 +300,10 @@ class _Plan:
         qkv.isa, qkv.h, qkv.cos, qkv.sin, qkv.v, qkv.k_rotated = isa, _ptr(h), _ptr(cos), _ptr(sin), _ptr(v), \
             _ptr(k_rotated)
         qkv.q_proj, qkv.k_proj, qkv.v_proj = weights[0].matrix(), weights[1].matrix(), weights[2].matrix()
-        _set_norm(qkv.input_norm, m.input_norm)
+        _set_norm(qkv.input_norm, m.input_norm, norms[0])
         if self.qk_norm:
-            _set_norm(qkv.q_norm, m.q_norm)
-            _set_norm(qkv.k_norm, m.k_norm)
+            _set_norm(qkv.q_norm, m.q_norm, norms[2])
+            _set_norm(qkv.k_norm, m.k_norm, norms[3])
         self._check(lib.coli_decode_qkv(qkv, pool, self.err, _ERR_LEN))
         # the keywords the layer's forward gives its attention, which gives them to the cache
         passed = {key: value for key, value in kwargs.items() if key not in _LAYER_ONLY}
@@ -296,7 +315,7 @@ class _Plan:
         if not route.attend:
             self._attend_by_module(m.attn, keys, values, passed)
         route.h, route.o_proj, route.router = _ptr(h), weights[3].matrix(), weights[4].matrix()
-        _set_norm(route.post_norm, m.post_norm)
+        _set_norm(route.post_norm, m.post_norm, norms[1])
         scores, index = self._route_into(m.gate, route, torch)
         self._check(lib.coli_decode_route(route, pool, self.err, _ERR_LEN))
         # the MoE block, as its forward computes it
@@ -369,15 +388,16 @@ _LAYER_ONLY = ("attention_mask", "cache", "past_key_values", "position_embedding
 
 def _routes_natively(gate: Any, dtype: Any, hidden: int) -> bool:
     """Whether the router's own forward would route one row natively."""
-    return getattr(vars(gate).get("forward"), "__func__", None) is routers.native_forward \
-        and getattr(gate, "colibri_router_form", None) in routers.FORMS and int(gate.hidden_dim) == hidden \
+    d = gate.__dict__
+    return getattr(d.get("forward"), "__func__", None) is routers.native_forward \
+        and d.get("colibri_router_form") in routers.FORMS and int(gate.hidden_dim) == hidden \
         and routers.weight_fits(gate, dtype)
 
 
-def _set_norm(norm: Any, module: Any) -> None:
-    """The ``ColiDecodeNorm`` fields of RMS norm ``module`` (its weight
-    checked to fit by the step)."""
-    norm.weight = _ptr(module.weight)
+def _set_norm(norm: Any, module: Any, weight: Any) -> None:
+    """The ``ColiDecodeNorm`` fields of RMS norm ``module`` of weight
+    ``weight`` (checked to fit by the step)."""
+    norm.weight = _ptr(weight)
     norm.eps = float(module.variance_epsilon)
     norm.order = WEIGHT_ORDERS[module.colibri_rms_form]
 
@@ -390,11 +410,11 @@ def _projection_weight(module: Any, dtype: Any) -> Any:
     """The :class:`~colibri.linear.PackedWeight` colibri's kernel computes
     projection ``module`` with for ``dtype`` inputs, or None when its
     forward would not call the kernel."""
-    packed = getattr(module, "packed", None)
+    packed = module.__dict__.get("packed")      # a packed linear's, set at its making
     if packed is not None and hasattr(packed, "matrix"):
         return packed
     own = getattr(module, "kernel_weight", None)
-    w = getattr(module, "weight", None)
+    w = parameter(module, "weight")
     if own is None or w is None or w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
         return None
     return own()

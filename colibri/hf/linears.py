@@ -30,6 +30,7 @@ from colibri.checkpoint.safetensors import TensorInfo, read_model_tensors
 from colibri.errors import FormatError
 from colibri.kernels import linear
 from colibri.linear import PackedWeight, packed_scheme, plain_weight, read_packed
+from colibri.hf.module_attrs import parameter
 
 __all__ = ["DECODE_ROWS", "decode_linear_class", "pack_linears", "packed_linear_class", "use_decode_linears"]
 
@@ -125,7 +126,7 @@ def _make_decode_class() -> Any:
             (in-place changes show through), made again when a parameter was
             replaced; the bias is a float32 copy, made again also when it
             changed in place (its version)."""
-            w, b = self.weight, self.bias
+            w, b = parameter(self, "weight"), parameter(self, "bias")
             key = (w.data_ptr(), w.dtype, w.shape, None if b is None else (b.data_ptr(), b._version))
             if self._packed is None or key != self._packed_key:
                 bias = None if b is None else b.detach().float().numpy().copy()

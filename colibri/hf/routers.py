@@ -27,6 +27,7 @@ from typing import Any
 from colibri._ffi import ffi, lib
 from colibri.errors import error_for
 from colibri.hf.linears import DECODE_ROWS, weight_array
+from colibri.hf.module_attrs import parameter
 from colibri.hf.norms import float_codes
 from colibri.hf.source_forms import function_form, source_form
 from colibri.kernels import linear
@@ -150,8 +151,8 @@ def weight_fits(module: Any, dtype: Any) -> bool:
     routes rows of ``dtype`` with: of that dtype, float32 or bfloat16, a CPU
     matrix of ``hidden_dim`` contiguous columns, ``top_k`` of its rows at
     most."""
-    w = module.weight
-    return w.dtype == dtype and dtype in float_codes() and w.is_cpu and w.dim() == 2 \
+    w = parameter(module, "weight")
+    return w is not None and w.dtype == dtype and dtype in float_codes() and w.is_cpu and w.dim() == 2 \
         and w.shape[1] == int(module.hidden_dim) and w.is_contiguous() and 1 <= int(module.top_k) <= w.shape[0]
 
 
