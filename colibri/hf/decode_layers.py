@@ -40,7 +40,6 @@ from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
 from colibri.hf.module_attrs import child, parameter
 from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
 from colibri.hf.norms import native_forward as norm_forward
-from colibri.hf.norms import weight_fits as norm_weight_fits
 from colibri.hf.rotary import is_native
 
 __all__ = ["FAMILIES", "use_decode_layers"]
