@@ -78,11 +78,12 @@ static AVX512 __m512 load16(const void *p, int64_t i, __mmask16 m, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Rows of keys or values are read once per call, in order, usually cold
- * (a decode step streams a layer's weights between two calls). Without a
- * hint each row waited for memory: measured at n = 302, 68-77 us cold
- * against 14 us warm. So each loop asks for the row ROWS_AHEAD on while it
- * computes this one, every cache line of it, and never past the last row. */
+/* Key and value rows are read once per call, in order, and usually cold
+ * (a decode step streams a layer's expert weights between two calls).
+ * Without a hint each row waited for memory: 68-77 us cold against 14 us
+ * warm over 302 positions. So each loop asks for the row ROWS_AHEAD rows
+ * on, every cache line of it, while it computes this one, and never for a
+ * row past the last. */
 #define ROWS_AHEAD 16
 
 static AVX512 void prefetch_row(const void *p, int64_t at, int64_t count, int bf16) {

@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 from colibri.checkpoint.safetensors import TensorInfo, read_model_tensors
 from colibri.errors import FormatError
+from colibri.hf.module_attrs import parameter
 from colibri.kernels import linear
 from colibri.linear import PackedWeight, packed_scheme, plain_weight, read_packed
-from colibri.hf.module_attrs import parameter
 
 __all__ = ["DECODE_ROWS", "decode_linear_class", "pack_linears", "packed_linear_class", "use_decode_linears"]
 
