@@ -306,7 +306,7 @@ def test_weights_replaced_between_steps_are_the_ones_read(case: tuple[Any, Any, 
     read the new weights, on the lean path, and give the modules' bits."""
     lean, modules, _ = case
 
-    def replace(model: Any) -> list[tuple[Any, str, Any]]:
+    def replace(model: Any) -> list[tuple[Any, Any, Any]]:
         layer = model.model.layers[1]
         olds = []
         for module in (layer.input_layernorm, layer.self_attn.q_proj, layer.mlp.gate):
@@ -314,19 +314,17 @@ def test_weights_replaced_between_steps_are_the_ones_read(case: tuple[Any, Any, 
                 continue    # a packed projection computes from the checkpoint's bytes, not a weight
             old = module.weight
             new = (old.detach() * -0.75).contiguous()
+            olds.append((module, old, old.data))    # put back exactly, for the module's other tests
             if how == "parameter":
                 module.weight = torch.nn.Parameter(new, requires_grad=False)
             else:
                 old.data = new
-            olds.append((module, how, old))
         return olds
 
-    def restore(olds: list[tuple[Any, str, Any]]) -> None:
-        for module, kind, old in olds:
-            if kind == "parameter":
-                module.weight = old
-            else:
-                old.data = (old.detach() / -0.75).contiguous()
+    def restore(olds: list[tuple[Any, Any, Any]]) -> None:
+        for module, old, data in olds:
+            old.data = data
+            module.weight = old
 
     with torch.no_grad():
         before = _steps(lean, 2)
