@@ -170,7 +170,6 @@ VNNI static void ga_quantise(const GaSegment *seg, int64_t n, int64_t used, cons
 VNNI static void ga_scatter(const GaInfo *a, const GxInfo *q, const int32_t *seg_of, const int32_t *pairs,
                             int32_t *sums) {
     const ColiFfnMat *m = q->m;
-    const __m512i lo = _mm512_set1_epi32(0x000f000f);
     const int64_t nv = q->nv, rows = m->n_in / 8, ahead = q->ahead * a->rs;
     const uint8_t *row = m->data + 4 * q->c0;
     for (int64_t r = 0; r < rows; r++, row += a->rs) {
@@ -185,7 +184,7 @@ VNNI static void ga_scatter(const GaInfo *a, const GxInfo *q, const int32_t *seg
             ffn_prefetch2((const char *)row + 64 * v, ahead);
             __m512i w = _mm512_maskz_loadu_epi32(gq_lanes(q, v), row + 64 * v);
             UNROLL for (int j = 0; j < 4; j++) {
-                __m512i nb = _mm512_and_si512(j ? _mm512_srli_epi32(w, 4 * j) : w, lo);
+                __m512i nb = gx_nibbles(w, j);
                 UNROLL for (int h = 0; h < 2; h++) {
                     int32_t *p = dst[2 * j + h] + 16 * v;
                     _mm512_storeu_si512(p, _mm512_dpwssd_epi32(_mm512_loadu_si512(p), nb, x[2 * j + h]));
@@ -234,7 +233,6 @@ VNNI static void ga_repack(const GaInfo *a, const GxInfo *q, const int32_t *pos_
                                   const int32_t *pairs, int64_t ldp, const float *sx,        \
                                   const int32_t *A, int64_t lds, int64_t v0, float *acc,     \
                                   int64_t ldc) {                                             \
-        const __m512i lo = _mm512_set1_epi32(0x000f000f);                                    \
         const int64_t ld = 64 * q->nv, r1 = (sg->start + sg->count + 7) / 8;                  \
         __m512i p[TB][VB];                                                                   \
         UNROLL for (int v = 0; v < VB; v++) UNROLL for (int t = 0; t < TB; t++) p[t][v] = _mm512_setzero_si512(); \
@@ -246,7 +244,7 @@ VNNI static void ga_repack(const GaInfo *a, const GxInfo *q, const int32_t *pos_
                 if (v0 + v >= q->nv) break;                                                  \
                 __m512i w = _mm512_load_si512(packed + R * ld + 64 * (v0 + v));               \
                 UNROLL for (int j = 0; j < 4; j++) {                                         \
-                    __m512i nb = _mm512_and_si512(j ? _mm512_srli_epi32(w, 4 * j) : w, lo);  \
+                    __m512i nb = gx_nibbles(w, j);                                           \
                     UNROLL for (int t = 0; t < TB; t++) p[t][v] = _mm512_dpwssd_epi32(p[t][v], nb, x[t][j]); \
                 }                                                                            \
             }                                                                                \

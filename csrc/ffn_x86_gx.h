@@ -35,6 +35,7 @@ typedef struct {
     int64_t nv;                 /* GPTQ: vectors of 16 outputs; AWQ: segments of 128 */
     int64_t words;              /* AWQ: words of a row in the range */
     int64_t ahead;              /* GPTQ: prefetch this many stored rows ahead */
+    int64_t ahead1;             /* the same for one token: twice as far (cold: faster; in L3: slower) */
     int64_t seg;                /* inputs per segment */
 } GxInfo;
 
@@ -48,18 +49,27 @@ static int64_t gx_segment(const ColiFfnMat *m, int64_t step) {
 }
 
 static GxInfo gx_info(const ColiFfnMat *m, int64_t n0, int64_t n1) {
-    GxInfo g = {m, m->format == COLI_TENSOR_INT4_AWQ, n0, n1 - n0, 0, (n1 - n0 + 7) / 8, 1, 0};
+    GxInfo g = {m, m->format == COLI_TENSOR_INT4_AWQ, n0, n1 - n0, 0, (n1 - n0 + 7) / 8, 1, 1, 0};
     g.seg = gx_segment(m, g.awq ? 2 : 8);
     g.nv = g.awq ? (g.words + 15) / 16 : (g.n + 15) / 16;
     int64_t bytes = g.awq ? 4 * g.words : 4 * g.n;  /* of a stored row in the range */
     g.ahead = (I16_AHEAD + bytes - 1) / bytes;
-    if (g.ahead < 1) g.ahead = 1;
+    g.ahead1 = (2 * I16_AHEAD + bytes - 1) / bytes;
     return g;
 }
 
 VNNI INLINE __mmask16 gq_lanes(const GxInfo *q, int64_t v) {
     int64_t left = q->n - 16 * v;
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* Nibble j (< 4) of each 16-bit half of w's lanes as a 16-bit integer (of
+ * a GPTQ word: nibbles j and j + 4): the top one needs no mask after a
+ * 16-bit shift. */
+VNNI INLINE __m512i gx_nibbles(__m512i w, int j) {
+    if (j == 3) return _mm512_srli_epi16(w, 12);
+    const __m512i lo = _mm512_set1_epi32(0x000f000f);
+    return _mm512_and_si512(j ? _mm512_srli_epi16(w, (unsigned)(4 * j)) : w, lo);
 }
 
 /* Group g's z (integers) and s for vector v's outputs. */
@@ -137,7 +147,6 @@ VNNI static void gq_group_params(const void *info, int64_t g, float *zsv) {
         const ColiFfnMat *m = q->m;                                                         \
         const int64_t v1 = q->nv;                                                           \
         const int64_t rs = m->n_out * 4;                                                    \
-        const __m512i lo = _mm512_set1_epi32(0x000f000f);                                   \
         const int64_t g = sg * q->seg / m->group, r0 = sg * q->seg / 8;                     \
         const int64_t r1 = r0 + q->seg / 8 < m->n_in / 8 ? r0 + q->seg / 8 : m->n_in / 8;   \
         const int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;                       \
@@ -167,11 +176,9 @@ VNNI static void gq_group_params(const void *info, int64_t g, float *zsv) {
                     a[1][t] = _mm512_setzero_si512();                                       \
                 }                                                                           \
                 UNROLL for (int i = 0; i < 2; i++) {                                        \
-                    ffn_prefetch2((const char *)row[i] + 64 * v, q->ahead * rs);            \
+                    ffn_prefetch2((const char *)row[i] + 64 * v, (TB == 1 ? q->ahead1 : q->ahead) * rs); \
                     __m512i w = _mm512_maskz_loadu_epi32(k & use[i], row[i] + 64 * v), n[4]; \
-                    n[0] = _mm512_and_si512(w, lo);                                         \
-                    UNROLL for (int j = 1; j < 4; j++)                                      \
-                        n[j] = _mm512_and_si512(_mm512_srli_epi32(w, 4 * j), lo);           \
+                    UNROLL for (int j = 0; j < 4; j++) n[j] = gx_nibbles(w, j);            \
                     UNROLL for (int t = 0; t < TB; t++)                                     \
                         UNROLL for (int j = 0; j < 4; j++)                                  \
                             a[i][t] = _mm512_dpwssd_epi32(a[i][t], n[j], xp[i][t][j]);      \
@@ -314,7 +321,6 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
         const ColiFfnMat *m = a->m;                                                         \
         const int64_t rs = m->n_out / 2;                                                    \
         const int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;                       \
-        const __m512i lo = _mm512_set1_epi32(0x000f000f);                                   \
         const int64_t g = sg * a->seg / m->group;                                           \
         int64_t k0 = sg * a->seg, k1 = k0 + a->seg < m->n_in ? k0 + a->seg : m->n_in;       \
         for (int t = 0; t < TB; t++) memset(p + t * ldp, 0, sizeof(int32_t) * (size_t)(128 * a->nv)); \
@@ -350,8 +356,7 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
                         }                                                                   \
                         UNROLL for (int n = 0; n < VP; n++) {                               \
                             int v = n0 + n;                                                 \
-                            __m512i w = _mm512_and_si512(                                   \
-                                _mm512_srli_epi32(U[v / 4], (unsigned)(4 * (v % 4))), lo);  \
+                            __m512i w = gx_nibbles(U[v / 4], v % 4);                        \
                             UNROLL for (int t = 0; t < TB; t++)                             \
                                 s8[n][t] = _mm512_dpwssd_epi32(s8[n][t], w, xk[t]);         \
                         }                                                                   \
@@ -368,6 +373,8 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
          * token: half the traffic; two with two: registers); a pair past the
          * segment is zeros. */                                                             \
         enum { NP = TB == 1 ? 4 : 2 };                                                      \
+        const int64_t block = 2 * NP * 4 * a->words; /* bytes of a block's rows in the range */ \
+        const int64_t ahead = 2 * NP * ((I16_AHEAD + block - 1) / block);                   \
         for (int64_t k = k0; k < k1; k += 2 * NP) {                                         \
             const uint8_t *ra[NP], *rb[NP];                                                 \
             __mmask16 use[NP][2];                                                           \
@@ -384,9 +391,11 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
                     xp[i][t] = _mm512_set1_epi32(pair);                                     \
                 }                                                                           \
             }                                                                               \
-            /* the next block of rows into L1 in memory order as they go (one       \
-             * stream: each row's own prefetch made 2 NP streams) */                        \
-            int64_t pk = k + 2 * NP, pseg = 0;                                              \
+            /* a later block of rows into L1 in memory order as they go (one        \
+             * stream: each row's own prefetch made 2 NP streams), whole blocks of  \
+             * at least I16_AHEAD bytes ahead (the next one alone, a few KiB on     \
+             * short rows, measured slower cold) */                                 \
+            int64_t pk = k + ahead, pseg = 0;                                               \
             for (int64_t seg = 0; seg < a->nv; seg++) {                                     \
                 __mmask16 lanes = aq_lanes(a, seg);                                         \
                 UNROLL for (int i = 0; i < 2 * NP; i++) {                                   \
@@ -410,8 +419,7 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
                     UNROLL for (int t = 0; t < TB; t++)                                     \
                         acc_[t] = _mm512_loadu_si512(p + t * ldp + 16 * (8 * seg + n));     \
                     UNROLL for (int i = 0; i < NP; i++) {                                   \
-                        __m512i w = _mm512_and_si512(                                       \
-                            _mm512_srli_epi32(U[i][n / 4], (unsigned)(4 * (n % 4))), lo);   \
+                        __m512i w = gx_nibbles(U[i][n / 4], n % 4);                         \
                         UNROLL for (int t = 0; t < TB; t++)                                 \
                             acc_[t] = _mm512_dpwssd_epi32(acc_[t], w, xp[i][t]);            \
                     }                                                                       \
