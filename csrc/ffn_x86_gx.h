@@ -487,6 +487,10 @@ VNNI static void gx_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const Coli
     float *sx = zsv + 2 * ldp;
     int32_t *A = (int32_t *)(sx + task->tokens * in.lds);
     int16_t *xq = (int16_t *)(A + task->tokens * in.lds);
+    /* the first group's params on their way while the inputs are quantised
+     * (the passes prefetch each next group's) */
+    for (int64_t o = n0; o < n1; o += 128)
+        gx_prefetch_params(m, 0, o, n1 - o < 128 ? n1 - o : 128, m->scale_format == COLI_SCALE_F32 ? 4 : 2);
     for (int t = 0; t < task->tokens; t++)
         i16_quantise((const uint16_t *)task->x + t * task->ldx, part, ns, m->n_in, q.seg, in.ldq,
                     xq + t * in.ldq, sx + t * in.lds, A + t * in.lds);

@@ -420,6 +420,31 @@ def test_out_of_range_g_idx_is_an_error_not_an_answer(tmp_path: Path) -> None:
                 dequantize_torch(ex)
 
 
+@pytest.mark.parametrize("group", [2, 16])  # 2: groups shorter than the check's vectors
+@pytest.mark.parametrize("bad_at,value", [(None, "groups"), (37, -1), (HIDDEN - 1, "groups")])
+def test_a_g_idx_entry_naming_no_group_fails_the_kernel_call(tmp_path: Path, group: int,
+                                                              bad_at: int | None, value: Any) -> None:
+    """The kernels check g_idx with every call: an entry past the groups, or
+    negative, anywhere in it fails the call and names the first one."""
+    groups = HIDDEN // group
+    bad = groups if value == "groups" else value
+
+    def corrupt(a: np.ndarray) -> np.ndarray:
+        a = a.copy()
+        a[slice(None) if bad_at is None else bad_at] = bad
+        return a
+
+    path = _write_checkpoint(tmp_path, "gptq", g_idx="sorted", group=group,
+                             edit=_set(BASE + "g_idx", corrupt))
+    first = 0 if bad_at is None else bad_at
+    with colibri.open_store(path, slots_per_layer=1) as store:
+        with store.lease(1, 2) as ex:
+            with pytest.raises(colibri.ColibriError, match=rf"up: g_idx\[{first}\] = {bad}, but there are {groups} groups"):
+                colibri.expert_ffn(ex, np.ones((1, HIDDEN), np.float32))
+        with store.lease(1, 1) as fine:  # the same layer's other experts still compute
+            assert np.isfinite(colibri.expert_ffn(fine, np.ones((1, HIDDEN), np.float32))).all()
+
+
 def test_without_any_config_the_shapes_tell_gptq_from_awq(tmp_path: Path) -> None:
     (tmp_path / "gptq").mkdir()
     (tmp_path / "awq").mkdir()
