@@ -247,69 +247,65 @@ static int gq_takes(const ColiFfnMat *m) {
 /* ================================================================ AWQ
  *
  * Stored (in, out): an input row's words hold eight outputs each (word w,
- * nibble n: output 8w + AWQ's order[n]). Inputs in plain order, paired (k,
- * k + 1): the 16 words of a segment (128 outputs) of rows k and k + 1,
- * interleaved by 16-bit halves (vpunpck{l,h}wd: U_u, u = 0, 1), hold in
- * each dword a half word of row k and the same of row k + 1; vector 4u + j
- * (j < 4) is U_u shifted right by 4j and masked to nibbles: per lane the
+ * nibble n: output 8w + (0, 2, 4, 6, 1, 3, 5, 7)[n]). Inputs in plain
+ * order, paired (k, k + 1): the 16 words of a segment (128 outputs) of
+ * rows k and k + 1, interleaved by 16-bit halves (vpunpck{l,h}wd: U_u,
+ * u = 0, 1), hold in each dword a half word of row k and the same of row
+ * k + 1; vector 4u + j (j < 4) is U_u's nibble j of each half: per lane the
  * pair (row k's nibble, row k + 1's), which pairs with the token's 16-bit
  * inputs (k, k + 1) (a last odd row pairs with a zero). Lane d of vector
- * 4u + j is word 4(d / 4) + 2u + (d % 4) / 2, nibble 4 (d % 2) + j. The
+ * 4u + j is word 4(d / 4) + 2u + (d % 4) / 2, nibble 4 (d % 2) + j: output
+ * 32 (d / 4) + 16u + 2j + (d % 2) + 8 ((d % 4) / 2) of the segment. The
  * sum is the top's. */
-
-static const uint8_t AWQ_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};  /* nibble n holds column order[n] */
 
 VNNI INLINE __mmask16 aq_lanes(const GxInfo *a, int64_t seg) {
     int64_t left = a->words - 16 * seg;
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-/* Word of lane d of vector 4u + j (see above). */
-VNNI INLINE __m512i aq_word(int u) {
-    __m512i d = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(d, 2), 2),
-                            _mm512_add_epi32(_mm512_set1_epi32(2 * u),
-                                             _mm512_srli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(3)), 1)));
+/* Group g's z (integers) of vector 4u + j of segment seg. */
+VNNI INLINE __m512i aq_zeros(const GxInfo *a, int64_t g, int64_t seg, int u, int j) {
+    const ColiFfnMat *m = a->m;
+    int64_t w0 = a->c0 / 8 + 16 * seg;
+    __m512i z = _mm512_maskz_loadu_epi32(aq_lanes(a, seg), m->zeros + 4 * (g * (m->n_out / 8) + w0));
+    z = u ? _mm512_unpackhi_epi16(z, z) : _mm512_unpacklo_epi16(z, z);
+    return _mm512_and_si512(_mm512_srli_epi32(z, (unsigned)(4 * j)), _mm512_set1_epi32(0xf));
 }
 
-/* Group g's 128 + z and s of vector 4u + j of segment seg. */
-VNNI INLINE void aq_params(const GxInfo *a, int64_t g, int64_t seg, int u, int j, __m512i *zv, __m512 *sv) {
+/* Group g's s of segment seg's 8 vectors: its 128 outputs' scales loaded
+ * in order, then put in lane order (gathers: a fifth of a cold one-token
+ * call). Lane 4q + r of vector 4u + j is output 32q + t of the segment,
+ * t = 16u + 2j + (r & 1) + 8 (r >> 1) (the top's words and nibbles): one
+ * index vector for the four quarters, each from its own pair of 16. */
+VNNI static void aq_scales(const GxInfo *a, int64_t g, int64_t seg, __m512 sv[8]) {
     const ColiFfnMat *m = a->m;
-    __mmask16 k = aq_lanes(a, seg);
-    int64_t w0 = a->c0 / 8 + 16 * seg;
-    __m512i z = _mm512_maskz_loadu_epi32(k, m->zeros + 4 * (g * (m->n_out / 8) + w0));
-    z = u ? _mm512_unpackhi_epi16(z, z) : _mm512_unpacklo_epi16(z, z);
-    z = _mm512_and_si512(_mm512_srli_epi32(z, (unsigned)(4 * j)), _mm512_set1_epi32(0xf));
-    *zv = z;
-    /* Lane d: output 8 word + order[nibble], a gather. */
-    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512i d = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i nib = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(1)), 2),
-                                   _mm512_set1_epi32(j));
-    __m512i idx = _mm512_add_epi32(_mm512_slli_epi32(aq_word(u), 3), _mm512_permutexvar_epi32(nib, order));
-    __mmask16 kw = _mm512_cmplt_epi32_mask(aq_word(u), _mm512_set1_epi32((int)(a->words - 16 * seg)));
-    int64_t base = g * m->n_out + 8 * w0;
-    if (m->scale_format == COLI_SCALE_F32) {
-        *sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), kw, idx, m->scales + 4 * base, 4);
-    } else {
-        /* 16-bit scales: gather 32 bits at each (2-byte aligned) scale, keep the low half. */
-        __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), kw, idx, m->scales + 2 * base, 2);
-        h = _mm512_and_si512(h, _mm512_set1_epi32(0xffff));
-        *sv = m->scale_format == COLI_SCALE_F16 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h))
-                                                : _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const int64_t left = a->n - 128 * seg, first = g * m->n_out + a->c0 + 128 * seg;
+    __m512 S[8];
+    for (int i = 0; i < 8; i++) {
+        int64_t n = left - 16 * i;
+        __mmask16 k = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
+        S[i] = qs_scales(m->scale_format, m->scales, first + 16 * i, k);
+    }
+    const __m512i base = _mm512_setr_epi32(0, 1, 8, 9, 0, 1, 8, 9, 0, 1, 8, 9, 0, 1, 8, 9);
+    for (int v = 0; v < 8; v++) {
+        __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32(16 * (v / 4) + 2 * (v % 4)));
+        __m512 r = _mm512_permutex2var_ps(S[0], idx, S[1]);
+        r = _mm512_mask_blend_ps(0x00f0, r, _mm512_permutex2var_ps(S[2], idx, S[3]));
+        r = _mm512_mask_blend_ps(0x0f00, r, _mm512_permutex2var_ps(S[4], idx, S[5]));
+        sv[v] = _mm512_mask_blend_ps(0xf000, r, _mm512_permutex2var_ps(S[6], idx, S[7]));
     }
 }
 
 VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
     const GxInfo *a = info;
-    for (int64_t seg = 0; seg < a->nv; seg++)
+    for (int64_t seg = 0; seg < a->nv; seg++) {
+        __m512 sv[8];
+        aq_scales(a, g, seg, sv);
         for (int n = 0; n < 8; n++) {
-            __m512i zv;
-            __m512 sv;
-            aq_params(a, g, seg, n / 4, n % 4, &zv, &sv);
-            _mm512_storeu_si512(zsv + 32 * (8 * seg + n), zv);
-            _mm512_storeu_ps(zsv + 32 * (8 * seg + n) + 16, sv);
+            _mm512_storeu_si512(zsv + 32 * (8 * seg + n), aq_zeros(a, g, seg, n / 4, n % 4));
+            _mm512_storeu_ps(zsv + 32 * (8 * seg + n) + 16, sv[n]);
         }
+    }
 }
 
 /* Segment sg (of inputs) of the range's segments (of 128 outputs) for TB
@@ -437,15 +433,33 @@ AQ_SEGMENT(4)
 
 static const GxSegmentFn AQ_SEGMENTS[3] = {aq_segment_1, aq_segment_2, aq_segment_4};
 
-static void aq_store(const void *info, const float *acc, float *dst) {
+/* One token's results in output order: outputs 16i .. 16i + 15 of a
+ * segment (q = i / 2, u = i % 2) are lanes 4q + 2 (s / 8) + s % 2 of its
+ * vectors 4u + (s % 8) / 2, s = 0 .. 15 (aq_scales's order, inverted):
+ * two permutes of two vectors each. */
+VNNI static void aq_store(const void *info, const float *acc, float *dst) {
     const GxInfo *a = info;
-    for (int64_t seg = 0; seg < a->nv; seg++)
-        for (int v = 0; v < 8; v++)
-            for (int d = 0; d < 16; d++) {
-                int64_t w = 16 * seg + 4 * (d / 4) + 2 * (v / 4) + (d % 4) / 2;
-                int64_t c = 8 * w + AWQ_ORDER[4 * (d % 2) + v % 4];
-                if (c < a->n) dst[a->c0 + c] = acc[16 * (8 * seg + v) + d];
-            }
+    const __m512i s = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i seven = _mm512_set1_epi32(7), one = _mm512_set1_epi32(1);
+    /* lane s: 16 ((s % 8) / 2 % 2) + 2 (s / 8) + s % 2, and 4q to add */
+    const __m512i lane = _mm512_add_epi32(
+        _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(_mm512_and_si512(s, seven), 1), one), 4),
+                         _mm512_slli_epi32(_mm512_srli_epi32(s, 3), 1)),
+        _mm512_and_si512(s, one));
+    const __mmask16 second = 0xf0f0;  /* s % 8 >= 4: vectors 4u + 2 and 4u + 3 */
+    for (int64_t seg = 0; seg < a->nv; seg++) {
+        const float *v = acc + 128 * seg;
+        for (int i = 0; i < 8; i++) {
+            int64_t o = 128 * seg + 16 * i, left = a->n - o;
+            if (left <= 0) break;
+            const int q = i / 2, u = i % 2;
+            __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(4 * q));
+            __m512 r0 = _mm512_permutex2var_ps(_mm512_loadu_ps(v + 16 * (4 * u)), idx, _mm512_loadu_ps(v + 16 * (4 * u + 1)));
+            __m512 r1 = _mm512_permutex2var_ps(_mm512_loadu_ps(v + 16 * (4 * u + 2)), idx, _mm512_loadu_ps(v + 16 * (4 * u + 3)));
+            __mmask16 k = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            _mm512_mask_storeu_ps(dst + a->c0 + o, k, _mm512_mask_blend_ps(second, r0, r1));
+        }
+    }
 }
 
 /* AWQ in groups of an even number of rows. */
