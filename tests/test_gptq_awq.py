@@ -439,7 +439,8 @@ def test_a_g_idx_entry_naming_no_group_fails_the_kernel_call(tmp_path: Path, gro
     first = 0 if bad_at is None else bad_at
     with colibri.open_store(path, slots_per_layer=1) as store:
         with store.lease(1, 2) as ex:
-            with pytest.raises(colibri.ColibriError, match=rf"up: g_idx\[{first}\] = {bad}, but there are {groups} groups"):
+            needle = rf"up: g_idx\[{first}\] = {bad}, but there are {groups} groups"
+            with pytest.raises(colibri.ColibriError, match=needle):
                 colibri.expert_ffn(ex, np.ones((1, HIDDEN), np.float32))
         with store.lease(1, 1) as fine:  # the same layer's other experts still compute
             assert np.isfinite(colibri.expert_ffn(fine, np.ones((1, HIDDEN), np.float32))).all()
