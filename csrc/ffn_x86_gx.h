@@ -433,7 +433,7 @@ AQ_SEGMENT(4)
 
 static const GxSegmentFn AQ_SEGMENTS[3] = {aq_segment_1, aq_segment_2, aq_segment_4};
 
-/* One token's results in output order: outputs 16i .. 16i + 15 of a
+/* A token's results in output order: outputs 16i .. 16i + 15 of a
  * segment (q = i / 2, u = i % 2) are lanes 4q + 2 (s / 8) + s % 2 of its
  * vectors 4u + (s % 8) / 2, s = 0 .. 15 (aq_scales's order, inverted):
  * two permutes of two vectors each. */
