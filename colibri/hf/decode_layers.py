@@ -40,6 +40,7 @@ from colibri.hf.attention import DECODE_SDPA, OTHER_MATH
 from colibri.hf.module_attrs import child, parameter
 from colibri.hf.norms import DECODE_NORM_VALUES, WEIGHT_ORDERS, float_codes
 from colibri.hf.norms import native_forward as norm_forward
+from colibri.hf.norms import weight_fits as norm_weight_fits
 from colibri.hf.rotary import is_native
 
 __all__ = ["FAMILIES", "use_decode_layers"]
@@ -250,7 +251,7 @@ class _Plan:
         w = parameter(norm, "weight")
         if w is None or not d.get("colibri_rms_form") \
                 or getattr(d.get("forward"), "__func__", None) is not norm_forward \
-                or w.dtype != self.dtype or not w.is_cpu or w.dim() != 1 or w.shape[0] != n or not w.is_contiguous():
+                or w.dtype != self.dtype or not norm_weight_fits(w) or w.shape[0] != n:
             return None
         return w
 
