@@ -50,6 +50,17 @@ static int64_t rows_ahead(int64_t group_bytes) {
     return (k < 1 ? 1 : k) * group_bytes;
 }
 
+/* The same distance in rows (of row_bytes), whole groups of I16_ROWS:
+ * how far ahead a streaming kernel prefetches its rows' params. */
+static int64_t i16_params_ahead(int64_t row_bytes) {
+    return I16_ROWS * (rows_ahead(I16_ROWS * row_bytes) / (I16_ROWS * row_bytes));
+}
+
+/* Bytes [b0, b1) of p into L1, a line at a time. */
+static inline void i16_prefetch_bytes(const void *p, int64_t b0, int64_t b1) {
+    for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
 /* Scales of format f from element i on (k: the lanes to load) as floats. */
 VNNI INLINE __m512 qs_scales(ColiScaleFormat f, const uint8_t *scales, int64_t i, __mmask16 k) {
     if (f == COLI_SCALE_F32) return _mm512_maskz_loadu_ps(k, scales + 4 * i);

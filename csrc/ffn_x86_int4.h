@@ -551,8 +551,7 @@ static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
     int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
     int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;
     int64_t b0 = o * m->groups * ss, b1 = end * m->groups * ss;
-    for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64)
-        _mm_prefetch((const char *)m->scales + b, _MM_HINT_T0);
+    i16_prefetch_bytes(m->scales, b0, b1);
     if (m->zeros && o % 8 < I16_ROWS)  /* eight rows' zero points share a row of words */
         for (int64_t b = 0; b < 4 * m->groups; b += 64)
             _mm_prefetch((const char *)m->zeros + 4 * (o / 8) * m->groups + b, _MM_HINT_T0);
@@ -605,7 +604,7 @@ typedef void (*QiStreamFn)(const QsInfo *, int64_t, int, const int16_t *, const 
 static void qs_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     QsInfo q = qs_info(m);
     /* the params' stream as far ahead as the rows' (whole blocks of rows) */
-    const int64_t pa = I16_ROWS * (rows_ahead(I16_ROWS * q.row_bytes) / (I16_ROWS * q.row_bytes));
+    const int64_t pa = i16_params_ahead(q.row_bytes);
     const int64_t ldq = 128 * q.chunks;
     QsScratch at = qs_layout(&q, n0, n1, task->tokens);
     uint8_t *base = task->scratch;

@@ -309,14 +309,13 @@ static size_t mi_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
 static void mi_prefetch_scales(const MiInfo *d, int64_t o, int64_t n1) {
     if (o >= n1) return;
     int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
-    for (int64_t b = (o * d->m->groups) & ~(int64_t)63; b < end * d->m->groups; b += 64)
-        _mm_prefetch((const char *)d->m->scales + b, _MM_HINT_T0);
+    i16_prefetch_bytes(d->m->scales, o * d->m->groups, end * d->m->groups);
 }
 
 static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     MiInfo d = mi_info(m);
     /* the scales' stream as far ahead as the rows' (whole groups of rows) */
-    const int64_t pa = I16_ROWS * (rows_ahead(I16_ROWS * d.row_bytes) / (I16_ROWS * d.row_bytes));
+    const int64_t pa = i16_params_ahead(d.row_bytes);
     MiScratch at = mi_layout(&d, task->tokens);
     uint8_t *base = task->scratch;
     int64_t part = ns == 2 ? task->ldx / 2 : 0, tp = i16_table_stride(task->tokens);
