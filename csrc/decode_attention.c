@@ -86,7 +86,9 @@ static AVX512 __m512 load16(const void *p, int64_t i, __mmask16 m, int bf16) {
  * row past the last. */
 #define ROWS_AHEAD 16
 
-static AVX512 void prefetch_row(const void *p, int64_t at, int64_t count, int bf16) {
+/* always inlined: GCC may find a function that only prefetches pure and
+ * drop its calls */
+static inline __attribute__((always_inline)) AVX512 void prefetch_row(const void *p, int64_t at, int64_t count, int bf16) {
     const char *row = (const char *)p + at * (bf16 ? 2 : 4);
     const int64_t bytes = count * (bf16 ? 2 : 4);
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);

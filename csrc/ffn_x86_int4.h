@@ -474,7 +474,7 @@ static void qi_fill_tables(const QsInfo *q, const float *sx, const int32_t *A, i
 }
 
 /* Lines [l0, l1) of bytes at p into L2. */
-static void qi_prefetch_l2(const char *p, int64_t l0, int64_t l1) {
+INLINE void qi_prefetch_l2(const char *p, int64_t l0, int64_t l1) {
     for (int64_t l = l0; l < l1; l++) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
 }
 
@@ -545,7 +545,7 @@ static void qs_tiles(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask 
  * stream of their own the rows' prefetch does not cover (with groups of
  * 32 and bfloat16 scales, an eighth of a row's bytes; left to demand
  * misses, measured a quarter of a cold expert's time). */
-static void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
+INLINE void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
     const ColiFfnMat *m = q->m;
     if (o >= n1) return;
     int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;

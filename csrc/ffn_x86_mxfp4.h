@@ -306,7 +306,7 @@ static size_t mi_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
 /* The scale bytes of rows o .. o + I16_ROWS - 1 (before n1) into L1: left
  * to mi_params's first touch, they waited on memory for a third of a cold
  * one-token call. */
-static void mi_prefetch_scales(const MiInfo *d, int64_t o, int64_t n1) {
+INLINE void mi_prefetch_scales(const MiInfo *d, int64_t o, int64_t n1) {
     if (o >= n1) return;
     int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
     i16_prefetch_bytes(d->m->scales, o * d->m->groups, end * d->m->groups);
