@@ -137,6 +137,35 @@ def test_4bit_inputs_of_any_magnitude_zeros_and_non_finite_ones(checkpoints: dic
             assert not np.isfinite(got[2:4]).any(), dtype
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas())
+def test_mxfp4_subnormal_scales(isa: str, tmp_path: Path) -> None:
+    """Scale bytes 0 to 3 weigh 2^-127 to 2^-124: subnormal and barely
+    normal weights. With down's scales all there and no down bias, the
+    output is itself that small, and every path still meets the bounds
+    (a scale decoded wrong, or flushed to zero, misses them by far)."""
+    from safetensors.numpy import load_file, save_file
+    path = write_format_checkpoint(tmp_path / "ckpt", "mxfp4", hidden=160, intermediate=96, group=32, seed=4)
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    rng = np.random.default_rng(29)
+    scales = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[scales] = rng.integers(0, 4, tensors[scales].shape).astype(np.uint8)
+    tensors["model.layers.0.mlp.experts.down_proj_bias"][...] = 0
+    save_file(tensors, shard)
+    for ex in _leased(path):
+        weights = colibri.dequantize(ex)
+        assert 0 < np.abs(weights["down"]).max() < 2.0 ** -120
+        for tokens in (1, 5):
+            x = _tokens(rng, tokens, 160, np.float32)
+            for dtype, bound in ((np.float32, F32_BOUND), (BF16, BF16_BOUND)):
+                xd = x.astype(dtype)
+                want = reference(weights, xd, "gpt_oss")
+                assert 0 < np.abs(want).max() < 2.0 ** -100
+                got = np.asarray(kernels.expert_ffn(ex, xd, activation="gpt_oss", isa=isa), dtype=np.float64)
+                # relative_error's floor (1e-30) is far above these outputs
+                assert np.abs(got - want).max() <= bound * np.abs(want).max(), (tokens, dtype)
+
+
 @pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_simd_paths_agree_with_scalar(checkpoints: dict[str, Path], fmt: str, isa: str) -> None:
