@@ -57,18 +57,19 @@ VNNI INLINE __m512 mi_weights(__m512i e128) {
  * Halves past the row weigh 2^-128 (their weights and inputs are zero). */
 VNNI static void mi_params(const MiInfo *d, int64_t o0, int nr, float *S) {
     const ColiFfnMat *m = d->m;
+    const uint8_t *row[I16_ROWS];
+    UNROLL for (int r = 0; r < I16_ROWS; r++) row[r] = m->scales + (o0 + (r < nr ? r : 0)) * m->groups;
     for (int64_t g = 0; g < d->st / I16_ROWS; g += 16) {
         int64_t n = m->groups - g;
         __mmask16 k = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;
         __m128i e[I16_ROWS];
-        for (int r = 0; r < I16_ROWS; r++)  /* e - 128 as a signed byte (0 past the row: 2^-128) */
-            e[r] = _mm_xor_si128(_mm_maskz_loadu_epi8(k, m->scales + (o0 + (r < nr ? r : 0)) * m->groups + g),
-                                 _mm_set1_epi8(-128));
+        UNROLL for (int r = 0; r < I16_ROWS; r++)  /* e - 128 as a signed byte (0 past the row: 2^-128) */
+            e[r] = _mm_xor_si128(_mm_maskz_loadu_epi8(k, row[r] + g), _mm_set1_epi8(-128));
         __m128i ab_lo = _mm_unpacklo_epi8(e[0], e[1]), ab_hi = _mm_unpackhi_epi8(e[0], e[1]);
         __m128i cd_lo = _mm_unpacklo_epi8(e[2], e[3]), cd_hi = _mm_unpackhi_epi8(e[2], e[3]);
         __m128i q[4] = {_mm_unpacklo_epi16(ab_lo, cd_lo), _mm_unpackhi_epi16(ab_lo, cd_lo),
                         _mm_unpacklo_epi16(ab_hi, cd_hi), _mm_unpackhi_epi16(ab_hi, cd_hi)};
-        for (int i = 0; i < 4; i++) _mm512_storeu_ps(S + 4 * g + 16 * i, mi_weights(_mm512_cvtepi8_epi32(q[i])));
+        UNROLL for (int i = 0; i < 4; i++) _mm512_storeu_ps(S + 4 * g + 16 * i, mi_weights(_mm512_cvtepi8_epi32(q[i])));
     }
 }
 
