@@ -372,7 +372,7 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
         const int64_t block = 2 * NP * 4 * a->words; /* bytes of a block's rows in the range */ \
         const int64_t ahead = 2 * NP * ((I16_AHEAD + block - 1) / block);                   \
         /* rows prefetched by row past blocks of I16_AHEAD bytes, 2 I16_AHEAD   \
-         * ahead in all (measured: I16_AHEAD 1.04x, 3 I16_AHEAD 1.04x) */       \
+         * ahead in all (measured: I16_AHEAD 1.03x, 3 I16_AHEAD 1.04x) */       \
         const int by_row = block > I16_AHEAD;                                               \
         const int64_t dseg = (2 * I16_AHEAD + 2 * NP * 64 - 1) / (2 * NP * 64);             \
         for (int64_t k = k0; k < k1; k += 2 * NP) {                                         \
@@ -396,7 +396,7 @@ VNNI static void aq_group_params(const void *info, int64_t g, float *zsv) {
              * whole blocks of at least I16_AHEAD bytes ahead (the next one alone,  \
              * a few KiB on short rows, measured slower cold). Longer ones: whole   \
              * blocks ahead would leave L1 before their use, so each row's own      \
-             * stream, dseg segments on (a Mixtral expert: 0.82x cold). */          \
+             * stream, dseg segments on (a Mixtral expert: 0.85x cold). */          \
             int64_t pk = k + ahead, pseg = 0;                                               \
             for (int64_t seg = 0; seg < a->nv; seg++) {                                     \
                 __mmask16 lanes = aq_lanes(a, seg);                                         \
