@@ -66,6 +66,15 @@ INLINE void i16_prefetch_bytes(const void *p, int64_t b0, int64_t b1) {
     for (int64_t b = b0 & ~(int64_t)63; b < b1; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
+/* Rows o .. o + I16_ROWS - 1 (those before n1) of a table of row_bytes a
+ * row into L1: a group of rows' params, a stream of their own that the
+ * rows' prefetch does not cover. */
+INLINE void i16_prefetch_rows(const void *p, int64_t row_bytes, int64_t o, int64_t n1) {
+    if (o >= n1) return;
+    int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
+    i16_prefetch_bytes(p, o * row_bytes, end * row_bytes);
+}
+
 /* Scales of format f from element i on (k: the lanes to load) as floats. */
 VNNI INLINE __m512 qs_scales(ColiScaleFormat f, const uint8_t *scales, int64_t i, __mmask16 k) {
     if (f == COLI_SCALE_F32) return _mm512_maskz_loadu_ps(k, scales + 4 * i);

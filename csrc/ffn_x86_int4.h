@@ -548,10 +548,7 @@ static void qs_tiles(const QsInfo *q, int64_t n0, int64_t n1, const ColiFfnTask 
 INLINE void qs_prefetch_params(const QsInfo *q, int64_t o, int64_t n1) {
     const ColiFfnMat *m = q->m;
     if (o >= n1) return;
-    int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
-    int64_t ss = m->scale_format == COLI_SCALE_F32 ? 4 : 2;
-    int64_t b0 = o * m->groups * ss, b1 = end * m->groups * ss;
-    i16_prefetch_bytes(m->scales, b0, b1);
+    i16_prefetch_rows(m->scales, m->groups * (m->scale_format == COLI_SCALE_F32 ? 4 : 2), o, n1);
     if (m->zeros && o % 8 < I16_ROWS)  /* eight rows' zero points share a row of words */
         for (int64_t b = 0; b < 4 * m->groups; b += 64)
             _mm_prefetch((const char *)m->zeros + 4 * (o / 8) * m->groups + b, _MM_HINT_T0);

@@ -310,18 +310,10 @@ static size_t mi_scratch(const ColiFfnMat *m, int64_t n0, int64_t n1, int tokens
     return mi_layout(&d, tokens).total;
 }
 
-/* The scale bytes of rows o .. o + I16_ROWS - 1 (before n1) into L1: left
- * to mi_params's first touch, they waited on memory for a third of a cold
- * one-token call. */
-INLINE void mi_prefetch_scales(const MiInfo *d, int64_t o, int64_t n1) {
-    if (o >= n1) return;
-    int64_t end = o + I16_ROWS < n1 ? o + I16_ROWS : n1;
-    i16_prefetch_bytes(d->m->scales, o * d->m->groups, end * d->m->groups);
-}
-
 static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTask *task, int ns) {
     MiInfo d = mi_info(m);
-    /* the scales' stream as far ahead as the rows' (whole groups of rows) */
+    /* the scale bytes' stream as far ahead as the rows' (whole groups of
+     * rows): left to mi_params's first touch, they waited on memory */
     const int64_t pa = i16_params_ahead(d.row_bytes);
     MiScratch at = mi_layout(&d, task->tokens);
     uint8_t *base = task->scratch;
@@ -337,7 +329,7 @@ static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
         mi_pair_inputs(&d, xq, sx, pairs);
         for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
             int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
-            mi_prefetch_scales(&d, o0 + pa, n1);
+            i16_prefetch_rows(m->scales, m->groups, o0 + pa, n1);
             mi_params(&d, o0, nr, S);
             mi_stream(&d, o0, nr, pairs, S, task->dst);
         }
@@ -353,7 +345,7 @@ static void mi_rows(const ColiFfnMat *m, int64_t n0, int64_t n1, const ColiFfnTa
 #endif
     for (int64_t o0 = n0; o0 < n1; o0 += I16_ROWS) {
         int nr = n1 - o0 < I16_ROWS ? (int)(n1 - o0) : I16_ROWS;
-        mi_prefetch_scales(&d, o0 + pa, n1);
+        i16_prefetch_rows(m->scales, m->groups, o0 + pa, n1);
         mi_params(&d, o0, nr, S);
         for (int t0 = 0, tb; t0 < task->tokens; t0 += tb)
             mi_stream_fn(task->tokens - t0, &tb)(&d, o0, nr, xq + t0 * d.ldq, sxt + t0, tp, S,
