@@ -41,7 +41,7 @@ SOURCES = ("ls_api.c", "ls_create.c", "ls_lookup.c", "ls_prefetch.c", "ls_slots.
            "ls_wait.c", "ls_stats.c", "expert_reader.c", "coli_formats.c", "io_pool.c",
            "ffn.c", "ffn_scalar.c", "ffn_x86.c", "ffn_neon.c", "compute_pool.c", "coli_kernels.c",
            "ls_ffn.c", "rms_norm.c", "router_topk.c", "rotary.c", "decode_attention.c",
-           "decode_layer.c")
+           "decode_layer.c", "gptq_group_order.c")
 LIBRARIES = ("pthread", "m")  # m: expf and ldexpf of the kernels
 # The test build only: the control, its header and the define that compiles it in.
 TEST_CONTROL_HEADER = "coli_test_control.h"

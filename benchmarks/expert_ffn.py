@@ -34,7 +34,8 @@ rounds is printed. The kernels take bfloat16 activations (as torch does);
     python benchmarks/expert_ffn.py --quick     # Qwen shape, 64 MiB rotation, 2 rounds
 
 Formats: bf16, fp8_block, int4 (symmetric), int4_asym (zero points),
-mxfp4, gptq (no act order), gptq_act (act order: a shuffled g_idx), awq;
+mxfp4, gptq (no act order), gptq_act (act order: a shuffled g_idx, which
+the store holds in group order), awq;
 the grouped ones in groups of 128 weights, or --group's.
 
 The machine this runs on may be shared: the figures are times of whole

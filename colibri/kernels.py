@@ -150,7 +150,8 @@ def _fill_matrix(dst: Any, info: ExpertTensors, role: str, parts: dict[str, np.n
         assert block is not None
         v.block_rows, v.block_columns = block
     dst.flags = (lib.COLI_FFN_IN_OUT if info.transposed else 0) | \
-        (lib.COLI_FFN_ZERO_PLUS_ONE if info.scheme == GPTQ else 0)
+        (lib.COLI_FFN_ZERO_PLUS_ONE if info.scheme == GPTQ else 0) | \
+        (lib.COLI_FFN_ORDER_CHECKED if v.format == lib.COLI_TENSOR_INT4_GPTQ else 0)
     zero = parts.get(f"{name}_zero")
     if zero is not None:
         dst.zeros = ffi.cast("const void *", _address(zero))

@@ -115,10 +115,13 @@ class ExpertLease(LeaseBase):
 
     @property
     def parts(self) -> dict[str, np.ndarray]:
-        """Every part of the expert as stored, by name: ``gate``, ``up``,
-        ``down`` (or ``gate_up`` for a fused layout), ``<role>_scale``,
-        ``<role>_bias``, ``<role>_zero``. A new dict each time; its arrays are
-        the lease's (read-only, valid while the lease or they live)."""
+        """Every part of the expert as the slot holds it, by name: ``gate``,
+        ``up``, ``down`` (or ``gate_up`` for a fused layout), ``<role>_scale``,
+        ``<role>_bias``, ``<role>_zero``, ``<role>_g_idx``. As stored, except
+        GPTQ with act order, held in group order (rows moved, ``g_idx``
+        negative: see :mod:`colibri.formats.qmodule`). A new dict each time;
+        its arrays are the lease's (read-only, valid while the lease or they
+        live)."""
         arrays = self._all_parts
         return {name: array for name, array in zip(self._part_names[self.layer], arrays)
                 if name is not None and array is not None}

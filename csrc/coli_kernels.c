@@ -15,5 +15,6 @@ const ColiFormatKernel coli_kernel_fp8_block = {"fp8_block", BIAS, COLI_FFN_IN_O
 const ColiFormatKernel coli_kernel_mxfp4 = {"mxfp4", BIAS, 0, coli_expert_ffn};
 const ColiFormatKernel coli_kernel_int4 = {"int4", BIAS | ZERO, 0, coli_expert_ffn};
 const ColiFormatKernel coli_kernel_gptq = {"gptq", BIAS | ZERO | G_IDX,
-                                           COLI_FFN_IN_OUT | COLI_FFN_ZERO_PLUS_ONE, coli_expert_ffn};
+                                           COLI_FFN_IN_OUT | COLI_FFN_ZERO_PLUS_ONE |
+                                               COLI_FFN_ORDER_CHECKED, coli_expert_ffn};
 const ColiFormatKernel coli_kernel_awq = {"awq", BIAS | ZERO, COLI_FFN_IN_OUT, coli_expert_ffn};

@@ -60,7 +60,8 @@ enum {
     COLI_PART_OTHER = 0,            /* bytes the kernels do not read */
     COLI_PART_BIAS = 1,             /* one value per output of its role, in its format */
     COLI_PART_ZERO = 2,             /* its role's packed zero points, as the role's format stores them */
-    COLI_PART_G_IDX = 3             /* GPTQ: the group of each input row of its role, int32 */
+    COLI_PART_G_IDX = 3             /* GPTQ: the group of each input row of its role, int32; a
+                                     * slot holds act order in group order (gptq_group_order.h) */
 };
 
 /* One routed expert of the model and where its tensors are.

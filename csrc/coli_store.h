@@ -254,7 +254,9 @@ int coli_store_expert_parts(ColiExpertStore *store, int layer, int expert, uint6
 
 /* ---- leased experts computed from their slots ---------------------------
  *
- * The kernels of ffn.h compute an expert straight from its bytes as stored.
+ * The kernels of ffn.h compute an expert straight from its bytes as stored
+ * (GPTQ with act order as the slot holds it: in group order, see
+ * gptq_group_order.h).
  * The store knows what they need of each expert: its tensors (the view), its
  * extra parts and what each is (ColiPartSource.kind, role, format), how the
  * matrices are stored and a fused gate_up split (ColiExpertSource.flags),

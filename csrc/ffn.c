@@ -225,6 +225,84 @@ static int g_idx_check(const ColiFfnMat *m) {
     return !(unsorted[0] | unsorted[1] | unsorted[2] | unsorted[3]);
 }
 
+/* A g_idx in group order: each entry -1 - an input, each input once. It
+ * becomes m's order; the kernels then see input / group. Every call reads
+ * it (cold, like the weights: read a kilobyte ahead), so the loop has no
+ * branch: a byte per input (on the stack for up to ORDER_SEEN inputs; a
+ * byte, not a bit, so that no two inputs share a store), and one test at
+ * the end. */
+enum { ORDER_SEEN = 16384 };
+
+/* A store's group order, checked when it was made: only that each entry is
+ * in range, four at a time, as g_idx_check reads. Nonzero when one is not. */
+static int group_order_out_of_range(const ColiFfnMat *m) {
+    const int64_t lines = ceil_div(4 * m->n_in, 64), ahead = 16;
+    for (int64_t l = 0; l < lines && l < ahead; l++) __builtin_prefetch(m->g_idx + 64 * l);
+    const ColiU32x4 n = {(uint32_t)m->n_in, (uint32_t)m->n_in, (uint32_t)m->n_in,
+                         (uint32_t)m->n_in};
+    ColiI32x4 bad = {0, 0, 0, 0};
+    int64_t k = 0;
+    for (; k + 4 <= m->n_in; k += 4) {
+        if (k % 16 == 0 && k / 16 + ahead < lines) __builtin_prefetch(m->g_idx + 64 * (k / 16 + ahead));
+        ColiI32x4 v;
+        memcpy(&v, m->g_idx + 4 * k, sizeof v);
+        bad |= (ColiI32x4)((ColiU32x4)(-1 - v) >= n);
+    }
+    for (; k < m->n_in; k++) {
+        int32_t v;
+        memcpy(&v, m->g_idx + 4 * k, sizeof v);
+        bad[0] |= (uint32_t)(-1 - (int64_t)v) >= (uint64_t)m->n_in;
+    }
+    return (bad[0] | bad[1] | bad[2] | bad[3]) != 0;
+}
+
+static int check_group_order(ColiFfnMat *m, int checked, const char *what, char *err,
+                             size_t err_len) {
+    if (checked && !group_order_out_of_range(m)) {
+        m->order = m->g_idx;
+        m->g_idx = NULL;
+        return COLI_OK;
+    }
+    uint8_t local[ORDER_SEEN];
+    uint8_t *seen = m->n_in <= ORDER_SEEN ? local : malloc((size_t)m->n_in);
+    if (!seen)
+        return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
+                         "group order", what);
+    memset(seen, 0, (size_t)m->n_in);
+    const int64_t lines = ceil_div(4 * m->n_in, 64), ahead = 16;
+    for (int64_t l = 0; l < lines && l < ahead; l++) __builtin_prefetch(m->g_idx + 64 * l);
+    unsigned bad = 0;
+    for (int64_t k = 0; k < m->n_in; k++) {
+        if (k % 16 == 0 && k / 16 + ahead < lines) __builtin_prefetch(m->g_idx + 64 * (k / 16 + ahead));
+        int32_t v;
+        memcpy(&v, m->g_idx + 4 * k, sizeof v);
+        uint64_t in = (uint64_t)(-1 - (int64_t)v);
+        unsigned out = in >= (uint64_t)m->n_in;
+        in = out ? 0 : in;
+        bad |= out | seen[in];
+        seen[in] = 1;
+    }
+    if (seen != local) free(seen);
+    if (bad) {
+        for (int64_t k = 0; k < m->n_in; k++) {  /* name the first entry at fault */
+            int32_t v, u;
+            memcpy(&v, m->g_idx + 4 * k, sizeof v);
+            int fault = v >= 0 || -1 - (int64_t)v >= m->n_in;
+            for (int64_t j = 0; j < k && !fault; j++) {
+                memcpy(&u, m->g_idx + 4 * j, sizeof u);
+                fault = u == v;
+            }
+            if (fault)
+                return coli_fail(err, err_len, COLI_EINVAL, "%s: g_idx[%lld] = %lld; a g_idx in "
+                                 "group order (negative) holds -1 - each of the %lld inputs once",
+                                 what, (long long)k, (long long)v, (long long)m->n_in);
+        }
+    }
+    m->order = m->g_idx;
+    m->g_idx = NULL;
+    return COLI_OK;
+}
+
 /* The scales, zero points and g_idx of a 4-bit matrix, and its groups. */
 static int check_quant(ColiFfnMat *m, const ColiFfnMatrix *src, const char *what, char *err,
                        size_t err_len) {
@@ -273,6 +351,11 @@ static int check_quant(ColiFfnMat *m, const ColiFfnMatrix *src, const char *what
             return coli_fail(err, err_len, COLI_EINVAL, "%s: a g_idx needs GPTQ and one group per "
                              "input (%zu for %lld inputs)", what, src->g_idx_count,
                              (long long)m->n_in);
+        int32_t first;
+        memcpy(&first, m->g_idx, sizeof first);
+        if (first < 0)
+            return check_group_order(m, (src->flags & COLI_FFN_ORDER_CHECKED) != 0, what, err,
+                                     err_len);
         int sorted = g_idx_check(m);
         if (sorted < 0) {
             for (int64_t k = 0; k < m->n_in; k++) {
@@ -294,7 +377,7 @@ static int describe(ColiFfnMat *m, const ColiFfnMatrix *src, const char *what, c
                     size_t err_len) {
     const ColiTensorView *v = &src->view;
     memset(m, 0, sizeof *m);
-    if (src->flags & ~(uint32_t)(COLI_FFN_IN_OUT | COLI_FFN_ZERO_PLUS_ONE))
+    if (src->flags & ~(uint32_t)(COLI_FFN_IN_OUT | COLI_FFN_ZERO_PLUS_ONE | COLI_FFN_ORDER_CHECKED))
         return coli_fail(err, err_len, COLI_EINVAL, "%s: unknown flags 0x%x", what,
                          (unsigned)src->flags);
     m->format = v->format;
@@ -428,6 +511,7 @@ typedef struct {
     Input in[2];                /* gate's and, when it wants them otherwise, up's */
     int n_in;
     Input h;                    /* the activations, down's way (sums per thread) */
+    int32_t *h_at;              /* down in group order: the row of each activation; else NULL */
     int64_t hidden, inter;
     int64_t t0, tokens;         /* this batch */
     float *gu;                  /* tokens x 2 inter: gate then up (or the fused order) */
@@ -441,10 +525,15 @@ typedef struct {
     size_t in_bytes;            /* the inputs' bytes: each thread's copy that far from the last */
 } Run;
 
+static int same_order(const ColiFfnMat *ma, const ColiFfnMat *mb) {
+    if (!ma->order || !mb->order) return !ma->order && !mb->order;
+    return ma->order == mb->order || !memcmp(ma->order, mb->order, 4 * (size_t)ma->n_in);
+}
+
 static int same_input(const ColiFfnKernel *a, const ColiFfnMat *ma, const ColiFfnKernel *b,
                       const ColiFfnMat *mb) {
     return a->x_type == b->x_type && a->x_order == b->x_order && a->group_sums == b->group_sums &&
-           (!a->group_sums || ma->group == mb->group);
+           (!a->group_sums || ma->group == mb->group) && same_order(ma, mb);
 }
 
 static void split(int64_t n, int thread, int threads, int64_t *lo, int64_t *hi) {
@@ -459,18 +548,20 @@ static void group_sums(const float *row, int64_t n, int64_t group, float *out) {
 }
 
 /* Writes inputs [i0, i0 + n) of token t (values v, in order) the way in
- * wants them, one at a time. */
-static void put_each(const Input *in, int64_t t, int64_t i0, const float *v, int64_t n) {
+ * wants them, one at a time; with at, value i goes to row at[i] (a matrix
+ * in group order), else to i0 + i. */
+static void put_each(const Input *in, int64_t t, int64_t i0, const float *v, int64_t n,
+                     const int32_t *at) {
     int order = in->k->x_order;
     if (in->k->x_type == COLI_FFN_X_F32) {
         float *dst = (float *)in->x + t * in->ldx;
-        if (order == COLI_FFN_ORDER_PLAIN) memcpy(dst + i0, v, sizeof(float) * (size_t)n);
-        else for (int64_t i = 0; i < n; i++) dst[coli_ffn_pos(order, i0 + i)] = v[i];
+        if (order == COLI_FFN_ORDER_PLAIN && !at) memcpy(dst + i0, v, sizeof(float) * (size_t)n);
+        else for (int64_t i = 0; i < n; i++) dst[coli_ffn_pos(order, at ? at[i] : i0 + i)] = v[i];
         return;
     }
     uint16_t *dst = (uint16_t *)in->x + t * in->ldx;
     for (int64_t i = 0; i < n; i++) {
-        int64_t p = coli_ffn_pos(order, i0 + i);
+        int64_t p = coli_ffn_pos(order, at ? at[i] : i0 + i);
         uint16_t hi = coli_f32_to_bf16(v[i]);
         dst[p] = hi;
         if (in->k->x_type == COLI_FFN_X_BF16_SPLIT)
@@ -482,24 +573,35 @@ static void put_each(const Input *in, int64_t t, int64_t i0, const float *v, int
 static void put_values(const Run *run, const Input *in, int64_t t, int64_t i0, const float *v,
                        int64_t n) {
     if (!run->conv || (in->k->x_type == COLI_FFN_X_F32 && in->k->x_order == COLI_FFN_ORDER_PLAIN)) {
-        put_each(in, t, i0, v, n);
+        put_each(in, t, i0, v, n, NULL);
         return;
     }
     int64_t a = coli_ffn_round_up(i0, COLI_FFN_PAD), b = (i0 + n) / COLI_FFN_PAD * COLI_FFN_PAD;
     if (a >= b) {
-        put_each(in, t, i0, v, n);
+        put_each(in, t, i0, v, n, NULL);
         return;
     }
-    put_each(in, t, i0, v, a - i0);
+    put_each(in, t, i0, v, a - i0, NULL);
     void *row = in->k->x_type == COLI_FFN_X_F32 ? (void *)((float *)in->x + t * in->ldx)
                                                 : (void *)((uint16_t *)in->x + t * in->ldx);
     run->conv->put(in->k->x_type, in->k->x_order, v + (a - i0), a, (b - a) / COLI_FFN_PAD, row,
                    in->ldx / 2);
-    put_each(in, t, b, v + (b - i0), i0 + n - b);
+    put_each(in, t, b, v + (b - i0), i0 + n - b, NULL);
 }
 
-/* Writes one token's float inputs (natural order) the way in wants them. */
-static void put_input(const Run *run, const Input *in, int64_t t, const float *row, int64_t n) {
+/* Writes one token's float inputs (natural order) the way in wants them;
+ * row has room for n more floats, where a matrix in group order gathers
+ * them. */
+static void put_input(const Run *run, const Input *in, int64_t t, float *row, int64_t n) {
+    if (in->m->order) {
+        float *moved = row + n;
+        for (int64_t k = 0; k < n; k++) {
+            int32_t v;
+            memcpy(&v, in->m->order + 4 * k, sizeof v);
+            moved[k] = row[-1 - v];
+        }
+        row = moved;
+    }
     put_values(run, in, t, 0, row, n);
     if (in->xs) group_sums(row, n, in->m->group, in->xs + t * in->m->groups);
 }
@@ -536,7 +638,8 @@ static void activate(const Run *run, float *tmp, int64_t lo, int64_t hi) {
             run->act(run->e->activation, run->e->alpha, run->e->limit, row + lo,
                      row + run->inter + lo, h, n);
         }
-        put_values(run, &run->h, t, lo, h, n);
+        if (run->h_at) put_each(&run->h, t, lo, h, n, run->h_at + lo);
+        else put_values(run, &run->h, t, lo, h, n);
     }
 }
 
@@ -770,6 +873,7 @@ static size_t layout(Run *run, int64_t batch, int threads, uint8_t *block) {
     if (run->h.k && run->h.k->x_type != COLI_FFN_X_F32) TAKE(run->h.x, uint16_t, batch * run->h.ldx);
     else if (run->h.k) TAKE(run->h.x, float, batch * run->h.ldx);
     if (run->inter) TAKE(run->gu, float, batch * 2 * run->inter);
+    if (run->h.m && run->h.m->order) TAKE(run->h_at, int32_t, run->inter);
     if (run->c->out_format == COLI_TENSOR_BF16) TAKE(run->y, float, batch * run->y_cols);
     TAKE(run->scratch, uint8_t, 0);
 #undef TAKE
@@ -865,7 +969,7 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
                          ? kernel : k->scratch(mp[i], 0, mp[i]->n_out, (int)batch);
         }
     run.kernel_bytes = align64(kernel);
-    run.temp_bytes = align64(sizeof(float) * (size_t)max64(run.hidden, 3 * run.inter));
+    run.temp_bytes = align64(sizeof(float) * (size_t)max64(2 * run.hidden, 3 * run.inter));
     size_t sums = run.down.k->group_sums ? sizeof(float) * (size_t)(batch * mats[2].groups) : 0;
     run.scratch_bytes = run.kernel_bytes + run.temp_bytes + align64(sums);
     /* A few tokens run with one barrier when gate and up split on their units. */
@@ -877,6 +981,11 @@ int coli_expert_ffn(const ColiFfnExpert *e, const ColiFfnCall *c, ColiComputePoo
         free(bias_block);
         return coli_fail(err, err_len, COLI_ENOMEM, "expert ffn: out of memory for %lld tokens "
                          "(%zu bytes of buffers)", (long long)batch, total);
+    }
+    for (int64_t k = 0; run.h_at && k < run.inter; k++) {
+        int32_t v;
+        memcpy(&v, mats[2].order + 4 * k, sizeof v);
+        run.h_at[-1 - v] = (int32_t)k;
     }
     for (int i = 0; i < run.n_first; i++) {
         run.first[i].dst = run.gu + i * run.inter;
@@ -914,7 +1023,7 @@ static void linear_setup(Run *run, const ColiFfnMat *m, int isa, int64_t *batch)
                         (run->c->out_format == COLI_TENSOR_BF16 ? m->n_out : 0);
     *batch = batch_tokens(run->c->tokens, per_token);
     run->kernel_bytes = align64(j->k->scratch(m, 0, m->n_out, (int)*batch));
-    run->temp_bytes = align64(sizeof(float) * (size_t)m->n_in);
+    run->temp_bytes = align64(sizeof(float) * (size_t)(2 * m->n_in));
     run->scratch_bytes = run->kernel_bytes + run->temp_bytes;
     run->by_units = run->c->tokens <= COLI_FFN_OWN_INPUTS;
 }

@@ -59,8 +59,11 @@ enum {
 enum {
     COLI_FFN_IN_OUT = 1,        /* stored (in, out): view.rows are inputs. GPTQ and AWQ always
                                  * are; plain and FP8 matrices may be (gpt-oss float, Llama 4) */
-    COLI_FFN_ZERO_PLUS_ONE = 2  /* GPTQ's original format: each stored zero point is one less
+    COLI_FFN_ZERO_PLUS_ONE = 2, /* GPTQ's original format: each stored zero point is one less
                                  * than the zero point */
+    COLI_FFN_ORDER_CHECKED = 4  /* GPTQ: a g_idx in group order was made by a store, which
+                                 * checked it: a call checks only that its entries are in
+                                 * range, not that each input appears once */
 };
 
 /* One matrix of the expert, as stored.
@@ -78,7 +81,10 @@ enum {
  *              column; GPTQ (groups, outputs / 8) and AWQ (the same, in
  *              AWQ's nibble order) int32 words, eight along each row;
  *   g_idx      GPTQ: the group of each input row (inputs entries), or NULL
- *              for row / block_rows;
+ *              for row / block_rows; or, every entry negative, the rows in
+ *              group order (row j in group j / block_rows, holding input
+ *              -1 - g_idx[j]: what the store makes of act order, see
+ *              gptq_group_order.h);
  *   bias       one per output (of the fused gate_up: in its order), or NULL,
  *              in bias_format F32, F16 or BF16. */
 typedef struct {

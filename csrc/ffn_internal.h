@@ -71,6 +71,9 @@ typedef struct {
     const uint8_t *scales;
     const uint8_t *zeros;       /* NULL: none */
     const uint8_t *g_idx;       /* int32 per input, maybe unaligned; NULL: input / group */
+    const uint8_t *order;       /* GPTQ in group order (gptq_group_order.h): int32 per stored
+                                 * row, -1 - the input it holds; the driver gathers the inputs
+                                 * through it and kernels see input / group; NULL: none */
     uint32_t block_rows, block_columns;
     int64_t groups;             /* scale groups along the inputs (int4, GPTQ, AWQ, MXFP4) */
     int64_t group;              /* inputs per group (int4, GPTQ and AWQ without g_idx, MXFP4) */

@@ -24,6 +24,7 @@
 
 #include "coli_kernels.h"
 #include "compute_pool.h"
+#include "gptq_group_order.h"
 #include "ls_slots.h"
 
 enum {
@@ -53,7 +54,8 @@ static int fill_matrix(ColiFfnMatrix *m, const LsSlot *v, const LsEntry *en, int
     memset(m, 0, sizeof *m);
     m->view = *t;
     m->flags = ((en->src.flags & COLI_SOURCE_IN_OUT) ? COLI_FFN_IN_OUT : 0) |
-               ((en->src.flags & COLI_SOURCE_ZERO_PLUS_ONE) ? COLI_FFN_ZERO_PLUS_ONE : 0);
+               ((en->src.flags & COLI_SOURCE_ZERO_PLUS_ONE) ? COLI_FFN_ZERO_PLUS_ONE : 0) |
+               (t->format == COLI_TENSOR_INT4_GPTQ ? COLI_FFN_ORDER_CHECKED : 0);
     if (m->flags & ~k->flags)
         return coli_fail(err, n, COLI_EINVAL, "layer %d expert %d %s: the %s kernel computes no "
                          "matrix stored %s", layer, expert, name, k->name,
@@ -646,4 +648,23 @@ int ls_ffn_expert(LsStore *s, const ColiExpertView *view, int activation, float 
     ls_call_leave(&L->calls);
     if (rc) memset(out, 0, sizeof *out);
     return rc;
+}
+
+/* ---- group order ------------------------------------------------------ */
+
+int ls_group_order(const LsEntry *e, unsigned char *mem, char *err, size_t n) {
+    const ColiTensorSource *t[3] = {&e->src.gate, &e->src.up, &e->src.down};
+    for (int j = 0; j < e->src.n_parts; j++) {
+        const LsPart *p = &e->parts[j];
+        if (p->kind != COLI_PART_G_IDX || p->role < 0 || p->role > 2) continue;
+        const ColiTensorSource *m = t[p->role];
+        if (m->format != COLI_TENSOR_INT4_GPTQ || p->nbytes != 4 * (uint64_t)m->rows) continue;
+        char what[64];
+        snprintf(what, sizeof what, "layer %d expert %d %s", e->src.layer, e->src.expert,
+                 ROLE_NAMES[p->role]);
+        int rc = coli_gptq_group_order(mem + e->plan.data_at[p->role], m->rows, m->columns,
+                                       m->block_rows, mem + e->plan.part_at[j], what, err, n);
+        if (rc < 0) return rc;
+    }
+    return COLI_OK;
 }

@@ -246,15 +246,23 @@ static inline uint64_t ls_plan_bytes(const ColiReadPlan *plan) {
     return total;
 }
 
-/* Reads plan into slot memory mem (see coli_read_expert); a replay store
- * reads nothing and counts the bytes a read would bring. */
-static inline int ls_read(LsStore *s, const ColiReadPlan *plan, unsigned char *mem,
+/* Puts the GPTQ matrices with act order of entry e, just read into slot
+ * memory mem, into group order (gptq_group_order.h). COLI_OK, COLI_ENOMEM,
+ * or COLI_ECONFIG for a stored g_idx that is negative but not group order.
+ * Runs in the reader, no lock held. (ls_ffn.c) */
+int ls_group_order(const LsEntry *e, unsigned char *mem, char *err, size_t n);
+
+/* Reads entry e into slot memory mem (see coli_read_expert) and puts it in
+ * the order the kernels read; a replay store reads nothing and counts the
+ * bytes a read would bring. */
+static inline int ls_read(LsStore *s, const LsEntry *e, unsigned char *mem,
                           const ColiReadPacer *pacer, uint64_t *nread, char *err, size_t n) {
     if (s->replay) {
-        *nread = ls_plan_bytes(plan);
+        *nread = ls_plan_bytes(&e->plan);
         return COLI_OK;
     }
-    return coli_read_expert(&s->files, plan, mem, pacer, nread, err, n);
+    int rc = coli_read_expert(&s->files, &e->plan, mem, pacer, nread, err, n);
+    return rc == COLI_OK ? ls_group_order(e, mem, err, n) : rc;
 }
 
 /* Wakes the layer's waiters, if any. Caller holds L->mu. */

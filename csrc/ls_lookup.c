@@ -43,11 +43,11 @@ static int wait_for_room(LsStore *s, LsLayer *L, RoomWait *w) {
  * returns with L->mu held; drops it to read (a replay store reads nothing
  * and keeps it). */
 static int read_claimed(LsStore *s, LsLayer *L, LsSlot *v, uint64_t *nread, char *err, size_t n) {
-    const ColiReadPlan *plan = &L->entries[v->expert].plan;
-    if (s->replay) return ls_read(s, plan, v->mem, NULL, nread, err, n);
+    const LsEntry *e = &L->entries[v->expert];
+    if (s->replay) return ls_read(s, e, v->mem, NULL, nread, err, n);
     pthread_mutex_unlock(&L->mu);
     ls_demand_begin(s);
-    int rc = ls_read(s, plan, v->mem, NULL, nread, err, n);
+    int rc = ls_read(s, e, v->mem, NULL, nread, err, n);
     ls_demand_end(s);
     pthread_mutex_lock(&L->mu);
     return rc;

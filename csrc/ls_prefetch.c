@@ -32,12 +32,11 @@ static void run_batch_read(LsStore *s, LsSlot *v, uint64_t generation) {
         return;
     }
     v->batch = LS_BATCH_RUNNING;
-    const ColiReadPlan *plan = &L->entries[v->expert].plan;
+    const LsEntry *e = &L->entries[v->expert];
     pthread_mutex_unlock(&L->mu);
     uint64_t nread = 0;
     ls_demand_begin(s);
-    int rc = coli_read_expert(&s->files, plan, v->mem, NULL, &nread, v->batch_err,
-                              sizeof v->batch_err);
+    int rc = ls_read(s, e, v->mem, NULL, &nread, v->batch_err, sizeof v->batch_err);
     ls_demand_end(s);
     pthread_mutex_lock(&L->mu);
     v->batch_rc = rc;
@@ -63,7 +62,7 @@ static void load_preload(LsStore *s, LsSlot *v, uint64_t gen) {
     PrefetchPace pace = {s, v};
     ColiReadPacer pacer = {s->prefetch_chunk, prefetch_pause, &pace};
     if (!s->replay) pthread_mutex_unlock(&L->mu);
-    int rc = ls_read(s, &e->plan, v->mem, &pacer, &nread, err, sizeof err);
+    int rc = ls_read(s, e, v->mem, &pacer, &nread, err, sizeof err);
     if (!s->replay) pthread_mutex_lock(&L->mu);
     ls_slot_finish_load(s, L, v, rc, nread, 0);
     pthread_mutex_unlock(&L->mu);
@@ -115,7 +114,7 @@ void ls_run_job(void *ctx, ColiJob job) {
     PrefetchPace pace = {s, v};
     ColiReadPacer pacer = {s->prefetch_chunk, prefetch_pause, &pace};
     if (early) ls_demand_begin(s);
-    int rc = coli_read_expert(&s->files, &e->plan, v->mem, early ? NULL : &pacer, &nread, err, sizeof err);
+    int rc = ls_read(s, e, v->mem, early ? NULL : &pacer, &nread, err, sizeof err);
     if (early) ls_demand_end(s);
     pthread_mutex_lock(&L->mu);
     ls_slot_finish_load(s, L, v, rc, nread, 0);

@@ -93,12 +93,35 @@ def load_safetensors(files) -> dict[str, np.ndarray]:
     return tensors
 
 
+def gptq_group_order(words: np.ndarray, g_idx: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """What a store holds of a GPTQ matrix (int32 words ``(in / 8, out)``)
+    and its g_idx, worked out here in numpy: with act order in the format's
+    groups of ``group`` rows (a multiple of 8), the rows moved into group
+    order and g_idx entry ``j`` made ``-1 -`` the input row ``j`` holds;
+    anything else as it is."""
+    g = np.asarray(g_idx).astype(np.int64)
+    rows = g.size
+    groups = -(-rows // group)
+    want = np.minimum(group, rows - np.arange(groups) * group)
+    if (group % 8 or g.min() < 0 or g.max() >= groups or np.array_equal(g, np.arange(rows) // group)
+            or not np.array_equal(np.bincount(g, minlength=groups), want)):
+        return words, g_idx
+    order = np.argsort(g, kind="stable")
+    u = np.asarray(words).view(np.uint32)
+    nibbles = (u[:, None, :] >> (4 * np.arange(8, dtype=np.uint32))[None, :, None]) & 15
+    moved = nibbles.reshape(rows, -1)[order].reshape(rows // 8, 8, -1)
+    held = np.bitwise_or.reduce(moved << (4 * np.arange(8, dtype=np.uint32))[None, :, None], axis=1)
+    return held.astype(np.uint32).view(np.int32), (-1 - order).astype(np.int32)
+
+
 def assert_lease_parts_equal_safetensors(path: Path, *, prefetch_workers: int = 0) -> int:
     """Leases every expert of the checkpoint in ``path`` and checks each part
     (named "tensor", or "tensor[e]" for expert e of a stacked tensor) against
-    what safetensors loads: shape, dtype, bytes, read-only. Returns the number
-    of parts checked."""
+    what safetensors loads: shape, dtype, bytes, read-only. GPTQ matrices with
+    act order are checked against :func:`gptq_group_order` of what
+    safetensors loads. Returns the number of parts checked."""
     import colibri
+    from colibri._ffi import lib
     from colibri.checkpoint.scan import scan_model
 
     tensors = load_safetensors(path)
@@ -110,15 +133,22 @@ def assert_lease_parts_equal_safetensors(path: Path, *, prefetch_workers: int = 
             with store.lease(layer, expert) as ex:
                 parts = ex.parts
                 assert list(parts) == [n for n in info.part_names() if n is not None]
+                wants = {}
                 for name, where in zip(info.part_names(), info.part_infos()):
                     if name is None:
                         continue
                     assert where is not None
                     if where.name.endswith("]"):
                         base, index = where.name[:-1].rsplit("[", 1)
-                        want = tensors[base][int(index)]
+                        wants[name] = tensors[base][int(index)]
                     else:
-                        want = tensors[where.name]
+                        wants[name] = tensors[where.name]
+                for role in ("gate", "up", "down"):
+                    block = info.block_shape(role) if f"{role}_g_idx" in wants else None
+                    if block is not None and info.coli_format(role) == int(lib.COLI_TENSOR_INT4_GPTQ):
+                        wants[role], wants[f"{role}_g_idx"] = gptq_group_order(
+                            wants[role], wants[f"{role}_g_idx"], block[0])
+                for name, want in wants.items():
                     got = parts[name]
                     assert got.shape == want.shape and got.dtype == want.dtype
                     assert not got.flags.writeable

@@ -590,6 +590,18 @@ def test_the_c_entry_refuses_bad_calls(case: str, needle: str) -> None:
     assert not c.out.any()
 
 
+def f32_call(x: np.ndarray, out: np.ndarray) -> Any:
+    """A ColiFfnCall of float32 rows ``x`` into ``out`` (both kept alive by
+    the caller), on the default path."""
+    from colibri._ffi import ffi, lib
+
+    return ffi.new("ColiFfnCall *", {
+        "x": ffi.cast("const void *", x.ctypes.data), "x_format": lib.COLI_TENSOR_F32,
+        "x_stride": x.shape[1], "out": ffi.cast("void *", out.ctypes.data),
+        "out_format": lib.COLI_TENSOR_F32, "out_stride": out.shape[1], "tokens": x.shape[0],
+        "isa": -1})
+
+
 def test_the_c_entry_refuses_bad_quantized_parts() -> None:
     """A GPTQ matrix whose g_idx names a group past its scales, and one whose
     zero points are short, fail with a message instead of reading past them."""
@@ -608,10 +620,7 @@ def test_the_c_entry_refuses_bad_quantized_parts() -> None:
                 kernels._fill_matrix(getattr(expert, role), ex.tensors, role, parts)
             expert.gate.g_idx = ffi.cast("const void *", bad_g.ctypes.data)
             out = np.empty_like(x)
-            call = ffi.new("ColiFfnCall *", {
-                "x": ffi.cast("const void *", x.ctypes.data), "x_format": lib.COLI_TENSOR_F32,
-                "x_stride": 32, "out": ffi.cast("void *", out.ctypes.data),
-                "out_format": lib.COLI_TENSOR_F32, "out_stride": 32, "tokens": 1, "isa": -1})
+            call = f32_call(x, out)
             err = ffi.new("char[]", 256)
             assert lib.coli_expert_ffn(expert, call, ffi.NULL, err, 256) == lib.COLI_EINVAL
             assert b"g_idx[3] = 4" in ffi.string(err)

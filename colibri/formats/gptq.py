@@ -42,8 +42,14 @@ def gptq_to_float(qweight: np.ndarray, scales: np.ndarray, qzeros: np.ndarray,
     rows, sc, z = qmodule.scales_and_zeros(qt, scales, nibbles_along_rows(qzeros), qzeros, what)
     if zeros_minus_one:
         z = z + 1  # uint8: 15 + 1 is 16, not 0
-    g = qmodule.groups_of_rows(rows, sc.shape[0], group_size, g_idx, what)
-    return qmodule.apply_groups(qt, z, sc, g)
+    held = qmodule.rows_in_group_order(g_idx, rows, what)
+    g = qmodule.groups_of_rows(rows, sc.shape[0], group_size, None if held is not None else g_idx, what)
+    w = qmodule.apply_groups(qt, z, sc, g)
+    if held is None:
+        return w
+    # Input i is at the stored row holding it: a gather along the C-contiguous
+    # (out, in) result's rows (a scatter by column is ten times slower).
+    return np.take(w.T, np.argsort(held), axis=1).T
 
 
 def _record(name: str, minus_one: bool, summary: str) -> Format:

@@ -6,6 +6,12 @@ matrix. The weight of input row ``i`` and column ``j`` is
 ``(q - z[g, j]) * s[g, j]`` with ``g = g_idx[i]``, or ``i // group_size``
 without a g_idx. The two differ in how the words are packed
 (:mod:`colibri.formats.gptq`, :mod:`colibri.formats.awq`).
+
+A store holds GPTQ with act order in group order: its rows moved once, on
+load, so that stored row ``j`` is in group ``j // group_size``, and g_idx
+entry ``j`` rewritten to ``-1 -`` the input row it holds (every entry
+negative). The kernels read that form without sorting; the functions here
+move the rows back.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from colibri.errors import FormatError
 from colibri.formats.record import Declared, Encoded, RoleFacts, RoleParts, Validator, need
 
 __all__ = ["GPTQ", "GPTQ_V2", "AWQ", "SCHEMES", "PARTS", "SCALE_FORMATS", "CODES", "guess_scheme",
-           "validator", "group_size", "block", "groups_of_rows", "scales_and_zeros", "apply_groups",
-           "module_to_torch"]
+           "validator", "group_size", "block", "rows_in_group_order", "groups_of_rows",
+           "scales_and_zeros", "apply_groups", "module_to_torch"]
 
 GPTQ = "gptq"         # zero points stored minus one (the original format)
 GPTQ_V2 = "gptq_v2"   # zero points stored as they are
@@ -135,6 +141,23 @@ def block(shape: tuple[int, int], scale_shape: tuple[int, ...], group: int) -> t
     return (group or shape[0], 1)
 
 
+def rows_in_group_order(g_idx: Any, rows: int, what: str) -> np.ndarray | None:
+    """The input row each stored row holds when ``g_idx`` is in group order
+    (every entry negative: ``-1 -`` the input), else None."""
+    if g_idx is None:
+        return None
+    g = np.asarray(g_idx).astype(np.int64).reshape(-1)
+    if g.size == 0 or g[0] >= 0:
+        return None
+    inputs = -1 - g
+    if (inputs.size != rows or inputs.min() < 0 or inputs.max() >= rows
+            or np.bincount(inputs, minlength=rows).max() != 1):
+        raise FormatError(f"{what}: a g_idx in group order (negative) must hold -1 - each of the "
+                          f"{rows} input rows once; it holds {g.size} entries "
+                          f"{int(g.min())}..{int(g.max())}")
+    return inputs
+
+
 def groups_of_rows(rows: int, groups: int, group: int, g_idx: np.ndarray | None,
                    what: str) -> np.ndarray:
     """The scale row of each input row: ``g_idx`` when given, else ``i // group``."""
@@ -191,7 +214,8 @@ def module_to_torch(torch: Any, enc: Encoded, q: Any, z: Any) -> Any:
     (in, out) and zero points ``z`` (groups, out) of a module."""
     scale = enc.scale
     rows, groups = q.shape[0], scale.shape[0]
-    if enc.g_idx is None:
+    held = None if enc.g_idx is None else rows_in_group_order(enc.g_idx.cpu().numpy(), rows, enc.role)
+    if enc.g_idx is None or held is not None:
         g = torch.arange(rows) // (enc.group_size or rows)
     else:
         g = enc.g_idx.long()
@@ -201,4 +225,7 @@ def module_to_torch(torch: Any, enc: Encoded, q: Any, z: Any) -> Any:
     if int(g[-1]) >= groups or z.shape != scale.shape:
         raise FormatError(f"{enc.role}: scales {list(scale.shape)} and zero points {list(z.shape)} "
                           f"do not fit {rows} input rows")
-    return (q - z[g]).to(torch.float32) * scale.to(torch.float32)[g]
+    w = (q - z[g]).to(torch.float32) * scale.to(torch.float32)[g]
+    if held is None:
+        return w
+    return w.index_select(0, torch.from_numpy(np.argsort(held)))
