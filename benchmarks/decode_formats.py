@@ -2,7 +2,7 @@
 """Decode the same MoE in bf16 and in 4-bit formats: bytes and time per token.
 
 The sibling of decode_sim.py for formats. One set of float expert weights
-is written five ways under /tmp:
+is written six ways under /tmp:
 
     bf16   mlp_experts layout, BF16 gate_proj/up_proj/down_proj.weight
     int4   the same names as compressed-tensors pack-quantized
@@ -11,6 +11,8 @@ is written five ways under /tmp:
            BF16 biases (zero)
     gptq   mlp_experts names as GPTQ modules (qweight, qzeros, F16 scales, g_idx),
            symmetric, groups of --group input rows, the original format (zeros minus one)
+    gptq_act  the same with act order: each matrix's input rows grouped in a shuffled
+           order (desc_act), which the store holds in group order
     awq    the same as AWQ GEMM modules (qweight, qzeros, F16 scales), with zero points
 
 A token-by-token decode leases each layer's top-k experts (routing from a
@@ -88,7 +90,7 @@ from _prefill import GOAL as PREFILL_GOAL, PROMPT_TOKENS, direct_read_time, pref
 from colibri.formats.mxfp4 import E2M1_VALUES  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-FORMATS = ("bf16", "int4", "mxfp4", "gptq", "awq")
+FORMATS = ("bf16", "int4", "mxfp4", "gptq", "gptq_act", "awq")
 WARM, COLD = "warm", "cold, no prefetch"
 PREFILLS = ("in RAM", "cold", "read")
 QUANTIZED = FORMATS[1:]
@@ -131,19 +133,25 @@ def _words(nibbles: np.ndarray) -> np.ndarray:
     return u.view(np.int32)
 
 
-def quantize_gptq(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
+def quantize_gptq(w: np.ndarray, group: int, act_order: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Symmetric GPTQ-format parts of a (out, in) weight, stored (in, out):
-    round-to-nearest (GPTQ's error feedback changes the values, not the format)."""
+    round-to-nearest (GPTQ's error feedback changes the values, not the format).
+    ``act_order``: the input rows in the order they are grouped (desc_act
+    takes them by the Hessian's diagonal), None for their own order."""
     t = np.ascontiguousarray(w.T)  # (in, out)
     rows, cols = t.shape
-    g = t.reshape(rows // group, group, cols)
+    ranked = np.arange(rows) if act_order is None else act_order
+    g = t[ranked].reshape(rows // group, group, cols)
     scale = (np.abs(g).max(axis=1) / 7.0).astype(np.float16)  # (groups, out)
     s = np.maximum(scale.astype(np.float32), 1e-12)
-    q = np.clip(np.rint(g / s[:, None, :]) + 8, 0, 15).astype(np.uint8).reshape(rows, cols)
+    q = np.empty((rows, cols), np.uint8)
+    q[ranked] = np.clip(np.rint(g / s[:, None, :]) + 8, 0, 15).astype(np.uint8).reshape(rows, cols)
+    g_idx = np.empty(rows, np.int32)
+    g_idx[ranked] = np.arange(rows) // group
     zeros = np.full((rows // group, cols), 8 - 1, np.uint8)  # stored minus one
     return {"qweight": _words(q.reshape(rows // 8, 8, cols).transpose(0, 2, 1)),
             "qzeros": _words(zeros.reshape(rows // group, cols // 8, 8)),
-            "scales": scale, "g_idx": (np.arange(rows) // group).astype(np.int32)}
+            "scales": scale, "g_idx": g_idx}
 
 
 def quantize_awq(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
@@ -167,6 +175,7 @@ def quantize_awq(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
 def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
                  group: int, seed: int) -> dict[str, Path]:
     rng = np.random.default_rng(seed)
+    act_rng = np.random.default_rng(seed + 1)  # act order's own draws: the weights stay the seed's
     out = {f: root / f for f in FORMATS}
     for p in out.values():
         p.mkdir(parents=True, exist_ok=True)
@@ -174,6 +183,7 @@ def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
         bf16: dict[str, np.ndarray] = {}
         int4: dict[str, np.ndarray] = {}
         gptq: dict[str, np.ndarray] = {}
+        gptq_act: dict[str, np.ndarray] = {}
         awq: dict[str, np.ndarray] = {}
         gate_up_b, gate_up_s, down_b, down_s = [], [], [], []
         for e in range(experts):
@@ -187,6 +197,8 @@ def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
                 int4[base + "weight_scale"] = scale
                 int4[base + "weight_shape"] = np.array(value.shape, np.int64)
                 gptq.update({base + k: v for k, v in quantize_gptq(value, group).items()})
+                shuffled = act_rng.permutation(value.shape[1])
+                gptq_act.update({base + k: v for k, v in quantize_gptq(value, group, shuffled).items()})
                 awq.update({base + k: v for k, v in quantize_awq(value, group).items()})
             fused = np.empty((2 * inter, hidden), np.float32)
             fused[0::2], fused[1::2] = w["gate"], w["up"]
@@ -206,10 +218,12 @@ def write_models(root: Path, layers: int, experts: int, hidden: int, inter: int,
         save_file(int4, str(out["int4"] / name))
         save_file(mx, str(out["mxfp4"] / name))
         save_file(gptq, str(out["gptq"] / name))
+        save_file(gptq_act, str(out["gptq_act"] / name))
         save_file(awq, str(out["awq"] / name))
-    (out["gptq"] / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": True,
-        "checkpoint_format": "gptq"}}))
+    for fmt, act in (("gptq", False), ("gptq_act", True)):
+        (out[fmt] / "config.json").write_text(json.dumps({"quantization_config": {
+            "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act, "sym": True,
+            "checkpoint_format": "gptq"}}))
     (out["awq"] / "config.json").write_text(json.dumps({"quantization_config": {
         "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}}))
     return out
@@ -467,7 +481,7 @@ def decode_rows(configs: list[DecodeKey], modes: dict[str, Any], results: Any, r
     for fmt, mode in configs:
         res, rat = results[(fmt, mode)], ratios[(fmt, mode)]
         cold = not modes[mode]["warm"]
-        rows.append((f"{fmt:<6} {mode}", f"{med(res, 'mb_per_token'):.2f}",
+        rows.append((f"{fmt:<8} {mode}", f"{med(res, 'mb_per_token'):.2f}",
                      f"{med(rat, 'mb_per_token'):.3f}" if cold else "-",
                      f"{med(res, 'demand_mb_per_token'):.2f}",
                      f"{med(rat, 'demand_mb_per_token'):.3f}" if cold else "-",

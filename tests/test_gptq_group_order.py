@@ -67,12 +67,21 @@ def _check_expert(path: Path, store: colibri.Store, layer: int, expert: int) -> 
 
 
 def _dequantize_torch(ex: Any) -> dict[str, Any] | None:
-    """colibri.dequantize computed in torch (its own decoder), if torch is here."""
+    """colibri.dequantize computed in torch (its own decoder), if torch is
+    here; on one torch thread (the suite also runs under TSan, which cannot
+    see OpenMP's own synchronisation)."""
     try:
+        import torch
+
         from colibri.torch_interop import dequantize_torch
-        return dequantize_torch(ex)
     except ImportError:
         return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return dequantize_torch(ex)
+    finally:
+        torch.set_num_threads(before)
 
 
 @settings(max_examples=12, deadline=None)
