@@ -125,7 +125,20 @@ static RebuildFn rebuild_for_cpu(void) {
 
 int coli_gptq_group_order(unsigned char *words, int64_t rows, int64_t cols, int64_t group,
                           unsigned char *g_idx, const char *what, char *err, size_t err_len) {
-    if (rows <= 0 || cols <= 0 || rows % 8 || group <= 0 || group % 8) return 0;
+    if (rows <= 0 || cols <= 0 || rows % 8 || group <= 0) return 0;
+    if (entry(g_idx, 0) < 0) {  /* stored so: the kernels will trust it, so check it now */
+        int32_t *seen = malloc(sizeof(int32_t) * (size_t)rows);
+        if (!seen)
+            return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
+                             "group order (%lld entries)", what, (long long)rows);
+        int64_t j = first_fault(g_idx, rows, seen);
+        free(seen);
+        if (j < 0) return 0;
+        return coli_fail(err, err_len, COLI_ECONFIG, "%s: g_idx[%lld] = %lld; a g_idx of "
+                         "negative entries is in group order, -1 - each of the %lld inputs once",
+                         what, (long long)j, (long long)entry(g_idx, j), (long long)rows);
+    }
+    if (group % 8) return 0;
     int64_t wr = rows / 8, groups = (rows + group - 1) / group;
     int64_t P = PANEL_BYTES / (4 * wr) / LANES * LANES;
     int64_t all = (cols + LANES - 1) / LANES * LANES;
@@ -143,14 +156,6 @@ int coli_gptq_group_order(unsigned char *words, int64_t rows, int64_t cols, int6
     int32_t *order = block;
     int64_t *next = (int64_t *)((unsigned char *)block + order_bytes);
     uint32_t *panel = (uint32_t *)((unsigned char *)block + order_bytes + next_bytes);
-    if (entry(g_idx, 0) < 0) {  /* stored so: the kernels will trust it, so check it now */
-        int64_t j = first_fault(g_idx, rows, order);
-        free(block);
-        if (j < 0) return 0;
-        return coli_fail(err, err_len, COLI_ECONFIG, "%s: g_idx[%lld] = %lld; a g_idx of "
-                         "negative entries is in group order, -1 - each of the %lld inputs once",
-                         what, (long long)j, (long long)entry(g_idx, j), (long long)rows);
-    }
     if (!group_positions(g_idx, rows, group, order, next)) {
         free(block);
         return 0;
