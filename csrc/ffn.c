@@ -30,6 +30,7 @@
 #include "coli_errors.h"
 #include "compute_pool.h"
 #include "ffn_internal.h"
+#include "gptq_group_order.h"
 
 /* ------------------------------------------------------------ paths */
 
@@ -193,13 +194,28 @@ static uint64_t data_bytes(ColiTensorFormat f, int64_t rows, int64_t cols) {
 typedef int32_t ColiI32x4 __attribute__((vector_size(16)));
 typedef uint32_t ColiU32x4 __attribute__((vector_size(16)));
 
+/* Every call reads a g_idx, cold like the weights: a line ahead of where
+ * entry k is read (k a multiple of 16 starts a line), G_IDX_AHEAD lines
+ * in all, the first of them at the start. Always inlined: GCC finds a
+ * function that only prefetches pure and may drop its calls. */
+enum { G_IDX_AHEAD = 16 };
+
+static inline __attribute__((always_inline)) void g_idx_prefetch_start(const ColiFfnMat *m) {
+    for (int64_t l = 0; l < ceil_div(4 * m->n_in, 64) && l < G_IDX_AHEAD; l++)
+        __builtin_prefetch(m->g_idx + 64 * l);
+}
+
+static inline __attribute__((always_inline)) void g_idx_prefetch_at(const ColiFfnMat *m, int64_t k) {
+    if (k % 16 == 0 && k / 16 + G_IDX_AHEAD < ceil_div(4 * m->n_in, 64))
+        __builtin_prefetch(m->g_idx + 64 * (k / 16 + G_IDX_AHEAD));
+}
+
 /* m's g_idx (every call reads it, cold in memory like the weights): -1
  * if an entry names no group, else whether every input k is in group k /
  * group. Read ahead a line at a time (a hardware prefetcher may not
- * follow) and four entries a step, with no branch. */
+ * follow: g_idx_prefetch_at) and four entries a step, with no branch. */
 static int g_idx_check(const ColiFfnMat *m) {
-    const int64_t lines = ceil_div(4 * m->n_in, 64), ahead = 16;
-    for (int64_t l = 0; l < lines && l < ahead; l++) __builtin_prefetch(m->g_idx + 64 * l);
+    g_idx_prefetch_start(m);
     const ColiU32x4 groups = {(uint32_t)m->groups, (uint32_t)m->groups, (uint32_t)m->groups,
                               (uint32_t)m->groups};
     ColiI32x4 bad = {0, 0, 0, 0}, unsorted = {0, 0, 0, 0};
@@ -208,7 +224,7 @@ static int g_idx_check(const ColiFfnMat *m) {
         const ColiI32x4 want = {(int32_t)g, (int32_t)g, (int32_t)g, (int32_t)g};
         int64_t k = g * m->group;
         for (; k + 4 <= k1; k += 4) {
-            if (k % 16 == 0 && k / 16 + ahead < lines) __builtin_prefetch(m->g_idx + 64 * (k / 16 + ahead));
+            g_idx_prefetch_at(m, k);
             ColiI32x4 v;
             memcpy(&v, m->g_idx + 4 * k, sizeof v);
             bad |= (ColiI32x4)((ColiU32x4)v >= groups);
@@ -225,25 +241,16 @@ static int g_idx_check(const ColiFfnMat *m) {
     return !(unsorted[0] | unsorted[1] | unsorted[2] | unsorted[3]);
 }
 
-/* A g_idx in group order: each entry -1 - an input, each input once. It
- * becomes m's order; the kernels then see input / group. Every call reads
- * it (cold, like the weights: read a kilobyte ahead), so the loop has no
- * branch: a byte per input (on the stack for up to ORDER_SEEN inputs; a
- * byte, not a bit, so that no two inputs share a store), and one test at
- * the end. */
-enum { ORDER_SEEN = 16384 };
-
 /* A store's group order, checked when it was made: only that each entry is
  * in range, four at a time, as g_idx_check reads. Nonzero when one is not. */
 static int group_order_out_of_range(const ColiFfnMat *m) {
-    const int64_t lines = ceil_div(4 * m->n_in, 64), ahead = 16;
-    for (int64_t l = 0; l < lines && l < ahead; l++) __builtin_prefetch(m->g_idx + 64 * l);
+    g_idx_prefetch_start(m);
     const ColiU32x4 n = {(uint32_t)m->n_in, (uint32_t)m->n_in, (uint32_t)m->n_in,
                          (uint32_t)m->n_in};
     ColiI32x4 bad = {0, 0, 0, 0};
     int64_t k = 0;
     for (; k + 4 <= m->n_in; k += 4) {
-        if (k % 16 == 0 && k / 16 + ahead < lines) __builtin_prefetch(m->g_idx + 64 * (k / 16 + ahead));
+        g_idx_prefetch_at(m, k);
         ColiI32x4 v;
         memcpy(&v, m->g_idx + 4 * k, sizeof v);
         bad |= (ColiI32x4)((ColiU32x4)(-1 - v) >= n);
@@ -256,46 +263,27 @@ static int group_order_out_of_range(const ColiFfnMat *m) {
     return (bad[0] | bad[1] | bad[2] | bad[3]) != 0;
 }
 
+/* A g_idx in group order: each entry -1 - an input, each input once
+ * (COLI_FFN_ORDER_CHECKED: the store checked that; only the range here).
+ * It becomes m's order; the kernels then see input / group. */
+enum { ORDER_SEEN = 16384 };  /* inputs checked with a buffer on the stack */
+
 static int check_group_order(ColiFfnMat *m, int checked, const char *what, char *err,
                              size_t err_len) {
-    if (checked && !group_order_out_of_range(m)) {
-        m->order = m->g_idx;
-        m->g_idx = NULL;
-        return COLI_OK;
-    }
-    uint8_t local[ORDER_SEEN];
-    uint8_t *seen = m->n_in <= ORDER_SEEN ? local : malloc((size_t)m->n_in);
-    if (!seen)
-        return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
-                         "group order", what);
-    memset(seen, 0, (size_t)m->n_in);
-    const int64_t lines = ceil_div(4 * m->n_in, 64), ahead = 16;
-    for (int64_t l = 0; l < lines && l < ahead; l++) __builtin_prefetch(m->g_idx + 64 * l);
-    unsigned bad = 0;
-    for (int64_t k = 0; k < m->n_in; k++) {
-        if (k % 16 == 0 && k / 16 + ahead < lines) __builtin_prefetch(m->g_idx + 64 * (k / 16 + ahead));
-        int32_t v;
-        memcpy(&v, m->g_idx + 4 * k, sizeof v);
-        uint64_t in = (uint64_t)(-1 - (int64_t)v);
-        unsigned out = in >= (uint64_t)m->n_in;
-        in = out ? 0 : in;
-        bad |= out | seen[in];
-        seen[in] = 1;
-    }
-    if (seen != local) free(seen);
-    if (bad) {
-        for (int64_t k = 0; k < m->n_in; k++) {  /* name the first entry at fault */
-            int32_t v, u;
+    if (!checked || group_order_out_of_range(m)) {
+        uint8_t local[ORDER_SEEN];
+        uint8_t *seen = m->n_in <= ORDER_SEEN ? local : malloc((size_t)m->n_in);
+        if (!seen)
+            return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
+                             "group order", what);
+        int64_t k = coli_group_order_fault(m->g_idx, m->n_in, seen);
+        if (seen != local) free(seen);
+        if (k >= 0) {
+            int32_t v;
             memcpy(&v, m->g_idx + 4 * k, sizeof v);
-            int fault = v >= 0 || -1 - (int64_t)v >= m->n_in;
-            for (int64_t j = 0; j < k && !fault; j++) {
-                memcpy(&u, m->g_idx + 4 * j, sizeof u);
-                fault = u == v;
-            }
-            if (fault)
-                return coli_fail(err, err_len, COLI_EINVAL, "%s: g_idx[%lld] = %lld; a g_idx in "
-                                 "group order (negative) holds -1 - each of the %lld inputs once",
-                                 what, (long long)k, (long long)v, (long long)m->n_in);
+            return coli_fail(err, err_len, COLI_EINVAL, "%s: g_idx[%lld] = %lld; a g_idx in "
+                             "group order (negative) holds -1 - each of the %lld inputs once",
+                             what, (long long)k, (long long)v, (long long)m->n_in);
         }
     }
     m->order = m->g_idx;

@@ -29,10 +29,8 @@ static int32_t entry(const unsigned char *g_idx, int64_t i) {
     return v;
 }
 
-/* A g_idx already in group order (negative): the first entry that is not
- * -1 - an input, or repeats one, or -1 when each input appears once. */
-static int64_t first_fault(const unsigned char *g_idx, int64_t rows, int32_t *seen) {
-    memset(seen, 0, sizeof(int32_t) * (size_t)rows);
+int64_t coli_group_order_fault(const unsigned char *g_idx, int64_t rows, uint8_t *seen) {
+    memset(seen, 0, (size_t)rows);
     for (int64_t j = 0; j < rows; j++) {
         int64_t in = -1 - (int64_t)entry(g_idx, j);
         if (in < 0 || in >= rows || seen[in]) return j;
@@ -127,11 +125,11 @@ int coli_gptq_group_order(unsigned char *words, int64_t rows, int64_t cols, int6
                           unsigned char *g_idx, const char *what, char *err, size_t err_len) {
     if (rows <= 0 || cols <= 0 || rows % 8 || group <= 0) return 0;
     if (entry(g_idx, 0) < 0) {  /* stored so: the kernels will trust it, so check it now */
-        int32_t *seen = malloc(sizeof(int32_t) * (size_t)rows);
+        uint8_t *seen = malloc((size_t)rows);
         if (!seen)
             return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
                              "group order (%lld entries)", what, (long long)rows);
-        int64_t j = first_fault(g_idx, rows, seen);
+        int64_t j = coli_group_order_fault(g_idx, rows, seen);
         free(seen);
         if (j < 0) return 0;
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: g_idx[%lld] = %lld; a g_idx of "
