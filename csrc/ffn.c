@@ -30,7 +30,6 @@
 #include "coli_errors.h"
 #include "compute_pool.h"
 #include "ffn_internal.h"
-#include "gptq_group_order.h"
 
 /* ------------------------------------------------------------ paths */
 
@@ -263,6 +262,18 @@ static int group_order_out_of_range(const ColiFfnMat *m) {
     return (bad[0] | bad[1] | bad[2] | bad[3]) != 0;
 }
 
+int64_t coli_ffn_group_order_fault(const unsigned char *g_idx, int64_t rows, uint8_t *seen) {
+    memset(seen, 0, (size_t)rows);
+    for (int64_t j = 0; j < rows; j++) {
+        int32_t v;
+        memcpy(&v, g_idx + 4 * j, sizeof v);
+        int64_t in = -1 - (int64_t)v;
+        if (in < 0 || in >= rows || seen[in]) return j;
+        seen[in] = 1;
+    }
+    return -1;
+}
+
 /* A g_idx in group order: each entry -1 - an input, each input once
  * (COLI_FFN_ORDER_CHECKED: the store checked that; only the range here).
  * It becomes m's order; the kernels then see input / group. */
@@ -276,7 +287,7 @@ static int check_group_order(ColiFfnMat *m, int checked, const char *what, char 
         if (!seen)
             return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
                              "group order", what);
-        int64_t k = coli_group_order_fault(m->g_idx, m->n_in, seen);
+        int64_t k = coli_ffn_group_order_fault(m->g_idx, m->n_in, seen);
         if (seen != local) free(seen);
         if (k >= 0) {
             int32_t v;

@@ -150,6 +150,13 @@ int coli_linear(const ColiFfnMatrix *matrix, const ColiFfnCall *call, ColiComput
 
 /* 1 if this build has the path and this CPU runs it, else 0. */
 int coli_ffn_isa_supported(int isa);
+
+/* A g_idx in group order (rows int32 entries, maybe unaligned; see
+ * ColiFfnMatrix.g_idx): the first entry that is not -1 - an input, or
+ * repeats one, or -1 when each input appears once. seen: rows bytes of
+ * scratch. The one definition of the form: the kernels' check and the
+ * store's loader both call it. */
+int64_t coli_ffn_group_order_fault(const unsigned char *g_idx, int64_t rows, uint8_t *seen);
 /* The process default (see COLI_FFN_ISA_AUTO), resolved once; a negative
  * COLI_E* code with a message when COLIBRI_KERNEL_ISA names an unknown path
  * or one this CPU cannot run. */

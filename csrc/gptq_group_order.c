@@ -29,16 +29,6 @@ static int32_t entry(const unsigned char *g_idx, int64_t i) {
     return v;
 }
 
-int64_t coli_group_order_fault(const unsigned char *g_idx, int64_t rows, uint8_t *seen) {
-    memset(seen, 0, (size_t)rows);
-    for (int64_t j = 0; j < rows; j++) {
-        int64_t in = -1 - (int64_t)entry(g_idx, j);
-        if (in < 0 || in >= rows || seen[in]) return j;
-        seen[in] = 1;
-    }
-    return -1;
-}
-
 /* Fills order (position -> input, inputs stable by group) when g_idx is act
  * order with the format's groups; 0 when it is not (next: a count per group). */
 static int group_positions(const unsigned char *g_idx, int64_t rows, int64_t group,
@@ -129,7 +119,7 @@ int coli_gptq_group_order(unsigned char *words, int64_t rows, int64_t cols, int6
         if (!seen)
             return coli_fail(err, err_len, COLI_ENOMEM, "%s: out of memory checking a g_idx in "
                              "group order (%lld entries)", what, (long long)rows);
-        int64_t j = coli_group_order_fault(g_idx, rows, seen);
+        int64_t j = coli_ffn_group_order_fault(g_idx, rows, seen);
         free(seen);
         if (j < 0) return 0;
         return coli_fail(err, err_len, COLI_ECONFIG, "%s: g_idx[%lld] = %lld; a g_idx of "

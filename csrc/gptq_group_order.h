@@ -33,10 +33,4 @@
 int coli_gptq_group_order(unsigned char *words, int64_t rows, int64_t cols, int64_t group,
                           unsigned char *g_idx, const char *what, char *err, size_t err_len);
 
-/* A g_idx in group order (rows int32 entries, maybe unaligned): the first
- * entry that is not -1 - an input, or repeats one, or -1 when each input
- * appears once. seen: rows bytes of scratch. The one definition of the
- * form, for the loader and the kernels' check alike. */
-int64_t coli_group_order_fault(const unsigned char *g_idx, int64_t rows, uint8_t *seen);
-
 #endif /* COLI_GPTQ_GROUP_ORDER_H */
